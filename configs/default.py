@@ -1,0 +1,68 @@
+"""Default config: ResNet18 on CIFAR10 in float16 (Apex O2) with dynamic loss scaling.
+
+Run:
+
+    python train.py --config configs/default.py --workdir /tmp/cifar10_o2
+
+Recipe: kuangliu/pytorch-cifar (github.com/kuangliu/pytorch-cifar, README and
+main.py): CIFAR-style ResNet18, SGD lr 0.1, momentum 0.9, weight decay 5e-4,
+batch 128, cosine annealing over 200 epochs, random crop (pad 4) + horizontal
+flip, per-channel CIFAR10 normalisation. It reports 95.44% test accuracy for
+ResNet18; this config should reach >= 94% on a GPU. Not measured on a GPU from
+this repository yet (see README, "Performance").
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """Returns the default (main job) configuration."""
+  config = ml_collections.ConfigDict()
+
+  # Model.
+  config.model = "resnet18"  # "resnet18" (CIFAR stem) or "resnet18_torchvision".
+  config.num_filters = 64
+
+  # Precision: an Apex-style preset (O0, O1, O2, O3, bf16) or a jmp policy
+  # string such as "params=float32,compute=float16,output=float32".
+  config.policy = "O2"
+  # Dynamic loss scaling (used when the preset asks for it).
+  config.init_loss_scale = 2.0**15
+  config.loss_scale_period = 2000
+  config.loss_scale_factor = 2
+  config.min_loss_scale = 1.0
+  config.max_loss_scale = 2.0**24
+  config.loss_scale_hysteresis = 1
+  # Stop with an error when the scale sits at its floor for this many skipped
+  # steps in a row.
+  config.max_consecutive_skips = 100
+
+  # Data.
+  config.dataset = "cifar10"  # cifar10, cifar100, image_folder, synthetic.
+  config.data_dir = ""  # tfds data_dir ("" = tfds default); image_folder root.
+  config.mean = (0.4914, 0.4822, 0.4465)
+  config.std = (0.2470, 0.2435, 0.2616)
+  config.data_on_device = False
+  config.synthetic_train_examples = 10_000
+  config.synthetic_test_examples = 2_000
+
+  # Optimisation.
+  config.batch_size = 128
+  config.eval_batch_size = 500
+  config.num_epochs = 200
+  config.num_train_steps = -1  # > 0: stop after this many steps, then evaluate.
+  config.learning_rate = 0.1
+  config.lr_schedule = "cosine"  # "cosine" or "constant".
+  config.warmup_epochs = 0.0
+  config.momentum = 0.9
+  config.nesterov = False
+  config.weight_decay = 5e-4
+  config.label_smoothing = 0.0
+
+  # Bookkeeping.
+  config.seed = 0
+  config.log_every_steps = 50
+  config.checkpoint_every_steps = 0  # 0: at the end of every epoch.
+  config.keep_checkpoints = 3
+  config.progress_bar = True
+  return config

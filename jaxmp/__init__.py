@@ -1,0 +1,48 @@
+"""jaxmp: mixed-precision training for JAX, the optax way.
+
+An optax transform with FP32 master params and dynamic loss scaling
+(`mixed_precision`), accessors that find its state anywhere in an optax state,
+and Apex-style precision presets.
+"""
+
+from jaxmp._src.accumulation import multi_steps
+from jaxmp._src.accessors import check_health
+from jaxmp._src.accessors import find_state
+from jaxmp._src.accessors import loss_scale
+from jaxmp._src.accessors import LossScaleCollapseError
+from jaxmp._src.accessors import master_params
+from jaxmp._src.accessors import rollback_if_skipped
+from jaxmp._src.accessors import scale_loss
+from jaxmp._src.accessors import stats
+from jaxmp._src.mixed_precision import adjust_loss_scale
+from jaxmp._src.mixed_precision import all_finite
+from jaxmp._src.mixed_precision import LossScaleConfig
+from jaxmp._src.mixed_precision import mixed_precision
+from jaxmp._src.mixed_precision import MixedPrecisionState
+from jaxmp._src.policy import get_policy
+from jaxmp._src.policy import get_preset
+from jaxmp._src.policy import Preset
+from jaxmp._src.policy import PRESETS
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "adjust_loss_scale",
+    "all_finite",
+    "check_health",
+    "find_state",
+    "get_policy",
+    "get_preset",
+    "loss_scale",
+    "LossScaleCollapseError",
+    "LossScaleConfig",
+    "master_params",
+    "mixed_precision",
+    "multi_steps",
+    "MixedPrecisionState",
+    "Preset",
+    "PRESETS",
+    "rollback_if_skipped",
+    "scale_loss",
+    "stats",
+)

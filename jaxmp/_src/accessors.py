@@ -1,0 +1,194 @@
+"""Reading and using the `mixed_precision` state from anywhere in an optax state.
+
+Users wrap `jaxmp.mixed_precision` in their own chains, `optax.MultiSteps`,
+`optax.inject_hyperparams` or `optax.multi_transform`; these helpers find its
+state wherever it sits, so the training step never has to know the nesting.
+"""
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+
+from jaxmp._src import mixed_precision as mp
+
+
+class LossScaleCollapseError(RuntimeError):
+  """The loss scale sat at its floor while steps kept being skipped."""
+
+
+def find_state(opt_state: Any) -> mp.MixedPrecisionState:
+  """Returns the one `MixedPrecisionState` inside ``opt_state``.
+
+  Args:
+    opt_state: an optax state that contains exactly one `mixed_precision`
+      state, at any depth.
+
+  Returns:
+    That state.
+
+  Raises:
+    ValueError: when there is none or more than one.
+  """
+  is_mp = lambda x: isinstance(x, mp.MixedPrecisionState)
+  found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_mp)
+           if is_mp(x)]
+  if not found:
+    raise ValueError(
+        "no jaxmp.mixed_precision state found in opt_state "
+        f"(a {type(opt_state).__name__}); build the optimizer with "
+        "jaxmp.mixed_precision(...) and pass the state it initialised")
+  if len(found) > 1:
+    raise ValueError(
+        f"found {len(found)} jaxmp.mixed_precision states in opt_state; use "
+        "one mixed_precision around the whole optimizer (wrap multi_transform "
+        "inside it, not the other way round)")
+  return found[0]
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+  """Multiplies ``loss`` by the current loss scale (Apex's ``amp.scale_loss``).
+
+  Compute the loss in fp32 before scaling it.
+
+  Args:
+    loss: a scalar loss.
+    opt_state: the optax state holding a `mixed_precision` state.
+
+  Returns:
+    ``loss * scale`` in ``loss``'s dtype.
+  """
+  loss = jnp.asarray(loss)
+  return loss * find_state(opt_state).loss_scale.astype(loss.dtype)
+
+
+def loss_scale(opt_state: Any) -> mp.LossScale:
+  """Returns the current loss scale as a jmp object.
+
+  Args:
+    opt_state: the optax state holding a `mixed_precision` state.
+
+  Returns:
+    A `jmp.DynamicLossScale` (with this state's scale, counter, period, factor
+    and floor), a `jmp.StaticLossScale` or a `jmp.NoOpLossScale`.
+  """
+  state = find_state(opt_state)
+  cfg = state.config
+  if cfg.kind == "noop":
+    return jmp.NoOpLossScale()
+  if cfg.kind == "static":
+    return jmp.StaticLossScale(state.loss_scale)
+  return jmp.DynamicLossScale(
+      loss_scale=state.loss_scale,
+      counter=state.growth_counter,
+      period=cfg.period,
+      factor=cfg.factor,
+      min_loss_scale=np.float32(cfg.min_loss_scale))
+
+
+def master_params(opt_state: Any, params: Optional[Any] = None) -> Any:
+  """Returns the fp32 master params.
+
+  Half-precision params have an fp32 master in the state. fp32 params are
+  their own masters and are not copied into the state; pass ``params`` to
+  fill them in (and, with ``master_weights=False``, to upcast every param).
+
+  Args:
+    opt_state: the optax state holding a `mixed_precision` state.
+    params: the current params; needed only where the state holds no master.
+
+  Returns:
+    A tree of fp32 arrays shaped like the params.
+
+  Raises:
+    ValueError: when a leaf has no master and ``params`` was not given.
+  """
+  masters = find_state(opt_state).master_params
+  if params is None:
+    missing = [jax.tree_util.keystr(path) for path, m in
+               jax.tree_util.tree_leaves_with_path(
+                   masters, is_leaf=lambda x: x is None) if m is None]
+    if missing:
+      raise ValueError(
+          f"{len(missing)} param(s) have no master in the state because they "
+          f"are fp32 already (first: {missing[0]}); call "
+          "jaxmp.master_params(opt_state, params)")
+    return masters
+  return mp._full_precision(params, masters)  # pylint: disable=protected-access
+
+
+def stats(opt_state: Any) -> dict[str, jax.Array]:
+  """Returns the loss-scaling statistics as a dict of scalar arrays.
+
+  Args:
+    opt_state: the optax state holding a `mixed_precision` state.
+
+  Returns:
+    ``{"loss_scale", "grads_finite", "skipped_steps", "consecutive_skips"}``.
+    Arrays stay on the device: fetch them with `jax.device_get` on log steps.
+  """
+  state = find_state(opt_state)
+  return {
+      "loss_scale": state.loss_scale,
+      "grads_finite": state.grads_finite,
+      "skipped_steps": state.skipped_steps,
+      "consecutive_skips": state.consecutive_skips,
+  }
+
+
+def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
+  """Keeps ``old`` instead of ``new`` when the last update was skipped.
+
+  Roll back the caller's other mutable state with it: Flax ``batch_stats``
+  updated by the forward pass of an overflowed step, an EMA of the params.
+
+  Args:
+    opt_state: the optax state *after* ``update`` for this step.
+    new: the tree computed during this step.
+    old: the same tree before this step.
+
+  Returns:
+    ``new`` where the step was applied, ``old`` where it was skipped.
+
+  >>> import jax.numpy as jnp, optax, jaxmp
+  >>> opt = jaxmp.mixed_precision(optax.sgd(0.1))
+  >>> params = {"w": jnp.zeros(2)}
+  >>> state = opt.init(params)
+  >>> _, state = opt.update({"w": jnp.array([jnp.inf, 0.])}, state, params)
+  >>> jaxmp.rollback_if_skipped(state, {"mean": 1.0}, {"mean": 0.0})
+  {'mean': Array(0., dtype=float32, weak_type=True)}
+  """
+  finite = find_state(opt_state).grads_finite
+  return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def check_health(opt_state: Any, step: int,
+                 max_consecutive_skips: int = 100) -> None:
+  """Raises when the loss scale has collapsed: a host-side check for loops.
+
+  Call it on log steps (it fetches three scalars from the device). A collapse
+  is ``max_consecutive_skips`` or more skipped steps in a row with the scale
+  at its floor (a static scale always is): nan/inf that loss scaling cannot
+  fix, such as NaN in the data or a diverged model.
+
+  Args:
+    opt_state: the optax state holding a `mixed_precision` state.
+    step: the number of steps taken so far (for the message).
+    max_consecutive_skips: how many skipped steps in a row to tolerate.
+
+  Raises:
+    LossScaleCollapseError: naming the step range and the scale.
+  """
+  state = find_state(opt_state)
+  skips, scale = jax.device_get((state.consecutive_skips, state.loss_scale))
+  skips, scale = int(skips), float(scale)
+  cfg = state.config
+  at_floor = cfg.kind != "dynamic" or scale <= cfg.min_loss_scale
+  if skips >= max_consecutive_skips and at_floor:
+    raise LossScaleCollapseError(
+        f"loss scale collapsed: steps {step - skips + 1}..{step} "
+        f"({skips} in a row) had non-finite gradients and were skipped, with "
+        f"the loss scale at its floor {scale:g}; check the input data for "
+        "NaN/inf and the learning rate")

@@ -1,0 +1,368 @@
+"""`mixed_precision`: FP32 master params and dynamic loss scaling as one optax transform.
+
+The loss-scale rule is jmp's, which is also `torch.amp.GradScaler`'s::
+
+    # grads are the gradients of loss * scale; every step:
+    grads = grads / scale                     # in fp32, with the forward's scale
+    finite = all(isfinite(grads))             # one flag for the whole tree
+    if finite:
+      masters, inner_state = inner.update(grads, masters)   # step applied
+      counter += 1
+      if counter == period:                   # the period-th finite step
+        counter = 0
+        if isfinite(scale * factor):
+          scale = min(scale * factor, max_loss_scale)
+    else:                                     # step skipped, nothing changes
+      counter = 0
+      overflows += 1                          # consecutive overflows
+      if overflows >= hysteresis:             # hysteresis=1: every overflow
+        scale = max(scale / factor, min_loss_scale)
+
+It is written branch-free with `jnp.where`: the selects fuse into the
+elementwise kernels of the optimizer update, so a skipped step costs no extra
+pass over the params and the step stays one straight-line XLA program (a
+`lax.cond` would split it into separately scheduled computations).
+
+Hyperparameters live in the closure. The state also carries them as a static
+`LossScaleConfig` (part of the pytree *structure*, never a leaf), so that
+`jit`, `device_put` and checkpoint round trips keep `min_loss_scale` and
+`max_loss_scale`: jmp's `DynamicLossScale` flattens to `(loss_scale, counter)`
+only and comes back from `jit` with `min_loss_scale=1`.
+"""
+
+import dataclasses
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+
+LossScale = Union[jmp.NoOpLossScale, jmp.StaticLossScale, jmp.DynamicLossScale]
+
+_HALF = (jnp.float16, jnp.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+  """Static description of the loss scale, kept in the state's treedef.
+
+  Attributes:
+    kind: ``"dynamic"``, ``"static"`` or ``"noop"``.
+    period: finite steps between two growths.
+    factor: growth and back-off factor.
+    min_loss_scale: floor of the scale.
+    max_loss_scale: cap of the scale (``inf``: only never grow to inf).
+    hysteresis: back off only from the ``hysteresis``-th consecutive overflow.
+  """
+  kind: str
+  period: int = 2000
+  factor: float = 2.0
+  min_loss_scale: float = 1.0
+  max_loss_scale: float = float("inf")
+  hysteresis: int = 1
+
+
+jax.tree_util.register_static(LossScaleConfig)
+
+
+class MixedPrecisionState(NamedTuple):
+  """State of `mixed_precision`.
+
+  Attributes:
+    inner_state: state of the wrapped optimizer.
+    master_params: fp32 copies of the half-precision params, ``None`` where a
+      param is fp32 already (it is its own master) or masters are disabled.
+    loss_scale: fp32 scalar; multiply the next loss by it.
+    growth_counter: int32, consecutive finite steps since the last growth
+      (jmp's ``counter``, GradScaler's ``growth_tracker``).
+    grads_finite: bool, whether the last step's gradients were all finite.
+    skipped_steps: int32, how many steps were skipped since `init`.
+    consecutive_skips: int32, skipped steps in a row up to now.
+    config: static `LossScaleConfig` (structure, not a leaf).
+  """
+  inner_state: optax.OptState
+  master_params: Any
+  loss_scale: jax.Array
+  growth_counter: jax.Array
+  grads_finite: jax.Array
+  skipped_steps: jax.Array
+  consecutive_skips: jax.Array
+  config: LossScaleConfig
+
+
+def _config_from(loss_scale: Optional[Union[LossScale, float]],
+                 max_loss_scale: Optional[float],
+                 hysteresis: int) -> tuple[LossScaleConfig, float]:
+  """Validates the user's loss scale; returns (config, initial scale)."""
+  if loss_scale is None:
+    loss_scale = jmp.DynamicLossScale(np.float32(2.0**15))
+  if _is_number(loss_scale):
+    loss_scale = jmp.StaticLossScale(
+        np.float32(_concrete(loss_scale, "loss_scale")))
+  if not _is_number(hysteresis) or _concrete(hysteresis, "hysteresis") < 1:
+    raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
+  hysteresis = int(_concrete(hysteresis, "hysteresis"))
+  cap = (float("inf") if max_loss_scale is None else
+         _concrete(max_loss_scale, "max_loss_scale"))
+  if isinstance(loss_scale, jmp.NoOpLossScale):
+    return LossScaleConfig("noop", min_loss_scale=1.0, max_loss_scale=1.0), 1.0
+  if isinstance(loss_scale, jmp.StaticLossScale):
+    value = _concrete(loss_scale.loss_scale, "StaticLossScale.loss_scale")
+    _check_positive(value, "loss_scale")
+    return LossScaleConfig("static", min_loss_scale=value,
+                           max_loss_scale=value), value
+  if isinstance(loss_scale, jmp.DynamicLossScale):
+    value = _concrete(loss_scale.loss_scale, "DynamicLossScale.loss_scale")
+    floor = _concrete(loss_scale.min_loss_scale,
+                      "DynamicLossScale.min_loss_scale")
+    _check_positive(value, "loss_scale")
+    _check_positive(floor, "min_loss_scale")
+    if int(loss_scale.period) < 1:
+      raise ValueError(f"period must be >= 1, got {loss_scale.period!r}")
+    if not float(loss_scale.factor) > 1:
+      raise ValueError(f"factor must be > 1, got {loss_scale.factor!r}")
+    if not floor <= cap:
+      raise ValueError(
+          f"min_loss_scale={floor} is above max_loss_scale={cap}")
+    value = min(max(value, floor), cap)
+    return LossScaleConfig("dynamic", int(loss_scale.period),
+                           float(loss_scale.factor), floor, cap,
+                           hysteresis), value
+  raise TypeError(
+      "loss_scale must be None (dynamic, 2**15), a positive number (static), "
+      "jmp.DynamicLossScale, jmp.StaticLossScale or jmp.NoOpLossScale; got "
+      f"{loss_scale!r}")
+
+
+def _is_number(x) -> bool:
+  """A Python/NumPy number or a 0-d array (optax.inject_hyperparams)."""
+  if isinstance(x, bool):
+    return False
+  return isinstance(x, (int, float, np.number)) or (
+      isinstance(x, (np.ndarray, jax.Array)) and np.ndim(x) == 0)
+
+
+def _concrete(x, name: str) -> float:
+  try:
+    return float(np.asarray(x))
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise ValueError(
+        f"{name} must be a concrete number, not a traced value; with "
+        "optax.inject_hyperparams(jaxmp.mixed_precision, static_args=("
+        f"'{name}',)) it stays static") from e
+
+
+def _check_positive(value: float, name: str) -> None:
+  if not (np.isfinite(value) and value > 0):
+    raise ValueError(f"{name} must be finite and > 0, got {value}")
+
+
+def adjust_loss_scale(config: LossScaleConfig, loss_scale: jax.Array,
+                      growth_counter: jax.Array, consecutive_skips: jax.Array,
+                      grads_finite: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One step of the loss-scale rule (see the module docstring).
+
+  Args:
+    config: the static loss-scale description.
+    loss_scale: the scale the step's forward pass used.
+    growth_counter: finite steps in a row before this step.
+    consecutive_skips: overflowed steps in a row, this step included.
+    grads_finite: whether this step's gradients were finite.
+
+  Returns:
+    ``(new_loss_scale, new_growth_counter)``.
+  """
+  if config.kind != "dynamic":
+    return loss_scale, jnp.where(grads_finite, growth_counter + 1, 0)
+  counter = jnp.where(grads_finite, growth_counter + 1, 0)
+  grow = counter >= config.period
+  grown = loss_scale * config.factor
+  grown = jnp.minimum(jnp.where(jnp.isfinite(grown), grown, loss_scale),
+                      jnp.float32(config.max_loss_scale))
+  shrunk = jnp.maximum(loss_scale / config.factor,
+                       jnp.float32(config.min_loss_scale))
+  back_off = consecutive_skips >= config.hysteresis
+  new_scale = jnp.where(
+      grads_finite, jnp.where(grow, grown, loss_scale),
+      jnp.where(back_off, shrunk, loss_scale))
+  return new_scale.astype(jnp.float32), jnp.where(grow, 0, counter)
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Returns a bool scalar: whether every element of every leaf is finite.
+
+  ``sum(x * 0)`` is 0 when all of ``x`` is finite and NaN otherwise (inf * 0
+  is NaN), and it never overflows: one vectorised multiply-add pass per leaf,
+  about 2.5x faster on CPU than reducing ``isfinite`` masks.
+  """
+  leaves = jax.tree_util.tree_leaves(tree)
+  if not leaves:
+    return jnp.array(True)
+  total = sum(jnp.sum(x * jnp.zeros([], x.dtype), dtype=jnp.float32)
+              for x in leaves)
+  return jnp.isfinite(total)
+
+
+def _is_half(x) -> bool:
+  return jnp.dtype(x.dtype) in [jnp.dtype(d) for d in _HALF]
+
+
+def _find_multisteps(tree) -> bool:
+  found = []
+  is_ms = lambda x: isinstance(x, optax.MultiStepsState)
+  for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_ms):
+    found.append(is_ms(leaf))
+  return any(found)
+
+
+def mixed_precision(
+    inner: optax.GradientTransformation,
+    *,
+    loss_scale: Optional[Union[LossScale, float]] = None,
+    max_loss_scale: Optional[float] = 2.0**24,
+    hysteresis: int = 1,
+    master_weights: bool = True,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps an optax optimizer with FP32 master params and loss scaling.
+
+  The gradients given to ``update`` are those of ``loss * scale`` (use
+  `jaxmp.scale_loss`). They are unscaled in fp32 with the scale the forward
+  pass used and checked for inf/nan over the whole tree. A finite step runs
+  ``inner`` on the fp32 gradients and fp32 masters; a non-finite step returns
+  zero updates and leaves masters and ``inner``'s state untouched. Then the
+  scale is adjusted (see the module docstring for the rule).
+
+  For every float16/bfloat16 param the state keeps an fp32 master, and the
+  returned (fp32) updates satisfy ``optax.apply_updates(params, updates) ==
+  new_master.astype(param.dtype)`` bit for bit, except where a half-precision
+  param shrinks more than 2**13-fold in one step to a nonzero value (a single
+  fp32 update cannot express that; the error is then below
+  ``2**-24 * |old param|``). fp32 params are their own masters.
+
+  For gradient accumulation put `jaxmp.multi_steps` (a fixed
+  `optax.MultiSteps`) outside: ``jaxmp.multi_steps(mixed_precision(inner),
+  k)``. The scale then stays fixed within an accumulation window and the
+  window is skipped as a whole when any of its microbatches overflowed.
+  ``MultiSteps`` inside ``mixed_precision`` is rejected by ``init``.
+
+  Args:
+    inner: the optimizer to run on unscaled fp32 gradients and masters, e.g.
+      ``optax.sgd(0.1, momentum=0.9)`` or any chain.
+    loss_scale: ``jmp.DynamicLossScale``, ``jmp.StaticLossScale``,
+      ``jmp.NoOpLossScale``, a positive number (static) or ``None`` for
+      ``jmp.DynamicLossScale(2**15)`` (period 2000, factor 2, floor 1).
+    max_loss_scale: cap of a dynamic scale; ``None`` for no cap (the scale
+      still never grows to inf).
+    hysteresis: a dynamic scale backs off only from the ``hysteresis``-th
+      overflow in a row; every overflowed step is skipped regardless.
+    master_weights: keep fp32 masters of half-precision params. ``False``
+      (Apex O3) updates half params in place through fp32 arithmetic.
+    axis_name: name of a mapped axis (``shard_map``/``pmap``) over which the
+      finite flag is reduced, so that every device skips together. Not needed
+      under ``jit`` with sharded arrays: the check is global there.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`; extra args go to ``inner``.
+
+  >>> import jax.numpy as jnp, optax, jaxmp
+  >>> params = {"w": jnp.ones(3, jnp.float16)}
+  >>> opt = jaxmp.mixed_precision(optax.sgd(0.5), loss_scale=8.0)
+  >>> state = opt.init(params)
+  >>> grads = {"w": jnp.full(3, 8.0, jnp.float16)}  # d(8 * loss)/dw
+  >>> updates, state = opt.update(grads, state, params)
+  >>> optax.apply_updates(params, updates)["w"]
+  Array([0.5, 0.5, 0.5], dtype=float16)
+  """
+  config, initial_scale = _config_from(loss_scale, max_loss_scale, hysteresis)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+      if not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
+        raise ValueError(
+            "mixed_precision needs floating-point params; "
+            f"{jax.tree_util.keystr(path)} has dtype {leaf.dtype}")
+    if master_weights:
+      masters = jax.tree.map(
+          lambda p: p.astype(jnp.float32) if _is_half(p) else None, params)
+    else:
+      masters = jax.tree.map(lambda p: None, params)
+    full = _full_precision(params, masters)
+    inner_state = inner.init(full)
+    if _find_multisteps(inner_state):
+      raise ValueError(
+          "optax.MultiSteps inside mixed_precision would change the loss "
+          "scale and skip microbatches inside an accumulation window; use "
+          "jaxmp.multi_steps(jaxmp.mixed_precision(inner), k) instead")
+    return MixedPrecisionState(
+        inner_state=inner_state,
+        master_params=masters,
+        loss_scale=jnp.asarray(initial_scale, jnp.float32),
+        growth_counter=jnp.zeros([], jnp.int32),
+        grads_finite=jnp.ones([], jnp.bool_),
+        skipped_steps=jnp.zeros([], jnp.int32),
+        consecutive_skips=jnp.zeros([], jnp.int32),
+        config=config)
+
+  def update_fn(grads, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError("mixed_precision.update needs params: "
+                       "opt.update(grads, opt_state, params)")
+    scale = state.loss_scale
+    # With a scale >= 1 unscaling cannot overflow: check the raw gradients
+    # and let XLA fuse the check into one read of them.
+    if config.min_loss_scale >= 1:
+      finite = all_finite(grads)
+    else:
+      finite = all_finite(jax.tree.map(lambda g: g.astype(jnp.float32) / scale,
+                                       grads))
+    if axis_name is not None:
+      finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
+
+    # Multiplying by the reciprocal is exact for power-of-two scales.
+    inv_scale = 1.0 / scale
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32) * inv_scale, grads)
+    full = _full_precision(params, state.master_params)
+    inner_updates, inner_state = inner.update(grads, state.inner_state, full,
+                                              **extra_args)
+    new_full = optax.apply_updates(full, inner_updates)
+
+    keep = lambda new, old: jnp.where(finite, new, old)
+    inner_state = jax.tree.map(keep, inner_state, state.inner_state)
+    masters = jax.tree.map(
+        lambda m, n: None if m is None else keep(n, m),
+        state.master_params, new_full, is_leaf=lambda x: x is None)
+
+    def outer_update(p, u, n):
+      if _is_half(p):
+        # An fp32 update lands p exactly on cast(new master) (see docstring).
+        u = n.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
+      # -0.0 is the additive identity of every float, signed zeros included.
+      return jnp.where(finite, u, jnp.asarray(-0.0, u.dtype))
+
+    updates = jax.tree.map(outer_update, params, inner_updates, new_full)
+
+    skips = jnp.where(finite, 0, state.consecutive_skips + 1)
+    new_scale, counter = adjust_loss_scale(
+        config, scale, state.growth_counter, skips, finite)
+    return updates, MixedPrecisionState(
+        inner_state=inner_state,
+        master_params=masters,
+        loss_scale=new_scale,
+        growth_counter=counter.astype(jnp.int32),
+        grads_finite=finite,
+        skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+        consecutive_skips=skips.astype(jnp.int32),
+        config=config)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _full_precision(params, masters):
+  """fp32 view of the params: the master where there is one, else upcast."""
+  return jax.tree.map(
+      lambda m, p: p.astype(jnp.float32) if m is None else m,
+      masters, params, is_leaf=lambda x: x is None)

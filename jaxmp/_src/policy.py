@@ -1,0 +1,129 @@
+"""Precision policies and Apex-style presets (O0, O1, O2, O3, bf16).
+
+A `jmp.Policy` says which dtype params are stored in, which dtype the forward
+and backward pass compute in, and which dtype the model's output is cast to.
+Apex's opt levels decide more than that: whether BatchNorm stays in fp32,
+whether fp32 master weights are kept and which loss scale is used. A `Preset`
+records those decisions next to the policy so the training code can wire them
+up from a single string.
+"""
+
+import dataclasses
+from typing import Union
+
+import jmp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """An Apex-style opt level.
+
+  Attributes:
+    name: the preset's name, e.g. ``"O2"``.
+    policy: param/compute/output dtypes.
+    loss_scale: ``"dynamic"`` (`jmp.DynamicLossScale`) or ``"none"``
+      (`jmp.NoOpLossScale`, a scale of 1).
+    keep_batchnorm_fp32: BatchNorm params, statistics and arithmetic stay fp32.
+    master_weights: half-precision params get fp32 master copies in the
+      optimizer state.
+    description: one line for humans.
+  """
+  name: str
+  policy: jmp.Policy
+  loss_scale: str
+  keep_batchnorm_fp32: bool
+  master_weights: bool
+  description: str
+
+
+def _preset(name, policy, loss_scale, keep_bn_fp32, master, description):
+  return Preset(name, jmp.get_policy(policy), loss_scale, keep_bn_fp32, master,
+                description)
+
+
+PRESETS = {
+    p.name: p for p in (
+        _preset("O0", "p=f32,c=f32,o=f32", "none", True, False,
+                "fp32 everywhere: the accuracy baseline."),
+        _preset("O1", "p=f32,c=f16,o=f32", "dynamic", True, False,
+                "fp32 params, fp16 compute, BatchNorm fp32, dynamic loss "
+                "scaling."),
+        _preset("O2", "p=f16,c=f16,o=f32", "dynamic", True, True,
+                "fp16 params and compute, BatchNorm fp32, fp32 master "
+                "weights, dynamic loss scaling."),
+        _preset("O3", "p=f16,c=f16,o=f16", "none", False, False,
+                "pure fp16, no masters, no loss scaling: a speed baseline."),
+        _preset("bf16", "p=f32,c=bf16,o=f32", "none", True, False,
+                "fp32 params, bfloat16 compute, no loss scaling needed."),
+    )
+}
+
+_SPEC_HELP = (
+    "a preset (" + ", ".join(PRESETS) + ") or a jmp policy string such as "
+    "'params=float32,compute=float16,output=float32' or 'p=f32,c=f16,o=f32' "
+    "(dtypes: float32/f32, float16/f16/half, bfloat16/bf16)")
+
+
+def get_preset(spec: str) -> Preset:
+  """Returns the `Preset` for a preset name or a jmp policy string.
+
+  A policy string gets the preset that matches its dtypes: half-precision
+  params keep fp32 masters, float16 compute gets dynamic loss scaling,
+  BatchNorm stays fp32.
+
+  Args:
+    spec: ``"O0"``..``"O3"``, ``"bf16"`` or a jmp policy string.
+
+  Returns:
+    The preset.
+
+  Raises:
+    ValueError: for an unknown spec; the message lists the valid ones.
+
+  >>> get_preset("O2").master_weights
+  True
+  """
+  if not isinstance(spec, str):
+    raise ValueError(f"policy must be a string, got {spec!r}: {_SPEC_HELP}")
+  if spec in PRESETS:
+    return PRESETS[spec]
+  try:
+    policy = jmp.get_policy(spec)
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise ValueError(f"unknown policy {spec!r}; expected {_SPEC_HELP}") from e
+  half = {"float16", "bfloat16"}
+  fp16_compute = _dtype_name(policy.compute_dtype) == "float16"
+  return Preset(
+      name=spec,
+      policy=policy,
+      loss_scale="dynamic" if fp16_compute else "none",
+      keep_batchnorm_fp32=True,
+      master_weights=_dtype_name(policy.param_dtype) in half,
+      description="custom jmp policy")
+
+
+def get_policy(spec: Union[str, Preset]) -> jmp.Policy:
+  """Returns the `jmp.Policy` of a preset name or a jmp policy string.
+
+  Args:
+    spec: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``, ``"bf16"``, a jmp policy
+      string (``"params=float32,compute=float16,output=float32"`` or
+      ``"p=f32,c=f16,o=f32"``), or a `Preset`.
+
+  Returns:
+    The policy.
+
+  Raises:
+    ValueError: for an unknown spec; the message lists the valid ones.
+
+  >>> get_policy("O2").param_dtype
+  <class 'jax.numpy.float16'>
+  """
+  if isinstance(spec, Preset):
+    return spec.policy
+  return get_preset(spec).policy
+
+
+def _dtype_name(dtype) -> str:
+  return np.dtype(dtype).name

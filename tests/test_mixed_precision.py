@@ -1,0 +1,484 @@
+"""Tests of `jaxmp.mixed_precision`: scale rule, skips, masters, jit round trips."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+import pytest
+
+import jaxmp
+
+
+def _dynamic(scale=2.0**10, period=5, factor=2, floor=1.0):
+  return jmp.DynamicLossScale(np.float32(scale), period=period, factor=factor,
+                              min_loss_scale=np.float32(floor))
+
+
+def _scale_trajectory(pattern, **kwargs):
+  """Runs mixed_precision on a 1-param problem; returns the scale per step."""
+  loss_scale = kwargs.pop("loss_scale")
+  opt = jaxmp.mixed_precision(optax.sgd(0.1), loss_scale=loss_scale, **kwargs)
+  params = {"w": jnp.zeros(2, jnp.float32)}
+  state = opt.init(params)
+
+  @jax.jit
+  def step(state, bad):
+    grads = {"w": jnp.where(bad, jnp.inf, 1.0) * jnp.ones(2)}
+    _, state = opt.update(grads, state, params)
+    return state
+
+  used, finite = [], []
+  for bad in pattern:
+    used.append(float(state.loss_scale))
+    state = step(state, jnp.asarray(bad))
+    finite.append(bool(state.grads_finite))
+  return used, finite, state
+
+
+def _grad_scaler_rule(pattern, init, growth_interval, factor):
+  """torch.amp.GradScaler's documented update rule, in plain Python."""
+  scale, tracker, used = init, 0, []
+  for found_inf in pattern:
+    used.append(scale)
+    if found_inf:
+      scale *= 1.0 / factor
+      tracker = 0
+    else:
+      tracker += 1
+      if tracker == growth_interval:
+        if math.isfinite(scale * factor):
+          scale *= factor
+        tracker = 0
+  return used
+
+
+class TestLossScaleRule:
+
+  def test_growth_closed_form_over_150_steps(self):
+    used, finite, state = _scale_trajectory(
+        [False] * 150, loss_scale=_dynamic(1.0, period=7), max_loss_scale=None)
+    assert all(finite)
+    expected = [2.0 ** (t // 7) for t in range(150)]
+    assert used == expected
+    assert int(state.growth_counter) == 150 % 7
+
+  def test_matches_grad_scaler_on_scripted_overflows(self):
+    rng = np.random.default_rng(0)
+    pattern = list(rng.random(300) < 0.15)
+    used, finite, _ = _scale_trajectory(
+        pattern, loss_scale=_dynamic(2.0**16, period=4, floor=2.0**-60),
+        max_loss_scale=None)
+    assert finite == [not b for b in pattern]
+    assert used == _grad_scaler_rule(pattern, 2.0**16, 4, 2)
+
+  def test_floor_holds(self):
+    used, _, state = _scale_trajectory(
+        [True] * 20, loss_scale=_dynamic(2.0**5, floor=4.0))
+    assert used[:4] == [32.0, 16.0, 8.0, 4.0]
+    assert set(used[3:]) == {4.0}
+    assert float(state.loss_scale) == 4.0
+    assert int(state.skipped_steps) == 20
+    assert int(state.consecutive_skips) == 20
+
+  def test_cap_holds_and_never_inf(self):
+    _, _, state = _scale_trajectory(
+        [False] * 40, loss_scale=_dynamic(2.0**20, period=1),
+        max_loss_scale=2.0**24)
+    assert float(state.loss_scale) == 2.0**24
+    _, _, state = _scale_trajectory(
+        [False] * 40, loss_scale=_dynamic(2.0**120, period=1),
+        max_loss_scale=None)
+    assert float(state.loss_scale) == 2.0**127  # next would be inf.
+
+  def test_overflow_resets_the_growth_counter(self):
+    pattern = [False] * 4 + [True] + [False] * 5
+    used, _, _ = _scale_trajectory(pattern, loss_scale=_dynamic(8.0, period=5))
+    # 4 finite steps, overflow halves, then the 5th finite step after it grows.
+    assert used == [8.0] * 5 + [4.0] * 5
+    used, _, state = _scale_trajectory(pattern + [False],
+                                       loss_scale=_dynamic(8.0, period=5))
+    assert float(state.loss_scale) == 8.0
+
+  def test_hysteresis_backs_off_from_the_kth_overflow_in_a_row(self):
+    pattern = [True, False, True, True, True, False]
+    used, finite, state = _scale_trajectory(
+        pattern, loss_scale=_dynamic(64.0), hysteresis=2)
+    assert finite == [False, True, False, False, False, True]
+    assert used == [64.0, 64.0, 64.0, 64.0, 32.0, 16.0]
+    assert int(state.skipped_steps) == 4
+
+  def test_static_and_noop_never_change_but_still_skip(self):
+    used, finite, state = _scale_trajectory([True, False] * 3,
+                                            loss_scale=128.0)
+    assert set(used) == {128.0} and finite == [False, True] * 3
+    assert int(state.skipped_steps) == 3
+    used, _, _ = _scale_trajectory([True, False], loss_scale=jmp.NoOpLossScale())
+    assert set(used) == {1.0}
+
+  def test_adjust_loss_scale_is_pure(self):
+    cfg = jaxmp.LossScaleConfig("dynamic", period=2, factor=2.0,
+                                min_loss_scale=1.0, max_loss_scale=8.0)
+    scale, counter = jax.jit(jaxmp.adjust_loss_scale, static_argnums=0)(
+        cfg, jnp.float32(8.0), jnp.int32(1), jnp.int32(0), jnp.bool_(True))
+    assert float(scale) == 8.0 and int(counter) == 0
+
+
+class TestJitRoundTrip:
+
+  @pytest.mark.parametrize("loss_scale", [
+      _dynamic(2.0**15, period=10, floor=2.0**-3), 64.0, jmp.NoOpLossScale()])
+  def test_state_survives_jit_with_every_field(self, loss_scale):
+    opt = jaxmp.mixed_precision(optax.adam(1e-3), loss_scale=loss_scale,
+                                max_loss_scale=2.0**20, hysteresis=3)
+    params = {"a": jnp.ones(3, jnp.float16), "b": jnp.ones(2)}
+    state = opt.init(params)
+    out = jax.jit(lambda s: s)(state)
+    assert jax.tree.structure(out) == jax.tree.structure(state)
+    assert out.config == state.config
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(out)):
+      np.testing.assert_array_equal(x, y)
+      assert x.dtype == y.dtype
+
+  def test_min_loss_scale_survives_jit_where_jmp_loses_it(self):
+    ls = _dynamic(8.0, floor=0.25)
+    # jmp 0.0.4's flaw, pinned: its flatten drops min_loss_scale.
+    jmp_out = jax.jit(lambda s: s)(ls)
+    assert float(jmp_out.min_loss_scale) == 1.0
+    opt = jaxmp.mixed_precision(optax.sgd(0.1), loss_scale=ls)
+    state = jax.jit(lambda s: s)(opt.init({"w": jnp.zeros(1)}))
+    assert state.config.min_loss_scale == 0.25
+    assert float(jaxmp.loss_scale(state).min_loss_scale) == 0.25
+    used, _, _ = _scale_trajectory([True] * 8, loss_scale=ls)
+    assert used[-1] == 0.25
+
+
+def _random_grads(rng, params, n, scale_fn):
+  """Unscaled fp32 gradients for n steps."""
+  del scale_fn
+  return [{k: rng.standard_normal(v.shape).astype(np.float32)
+           for k, v in params.items()} for _ in range(n)]
+
+
+def _scaled(grads, params, scale):
+  """Gradients of loss * scale, in each param's dtype (exact: scale is 2^k)."""
+  return {k: jnp.asarray(g * scale).astype(params[k].dtype)
+          for k, g in grads.items()}
+
+
+def _jitted_step(opt):
+  """A plain optax step, update and apply in one jit, as a train step has it.
+
+  XLA contracts ``p + lr * m`` into a fused multiply-add inside one jit, so
+  the reference must be compiled the same way to compare bit for bit.
+  """
+
+  @jax.jit
+  def step(grads, state, params):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+class TestMastersAndSkips:
+
+  def _params(self):
+    rng = np.random.default_rng(1)
+    return {
+        "half": jnp.asarray(rng.standard_normal((4, 8)), jnp.float16),
+        "bf16": jnp.asarray(rng.standard_normal((8,)), jnp.bfloat16),
+        "full": jnp.asarray(rng.standard_normal((5,)), jnp.float32),
+    }
+
+  @pytest.mark.parametrize("inner", [
+      optax.sgd(0.1, momentum=0.9), optax.adamw(1e-2, weight_decay=1e-2)])
+  def test_params_are_cast_masters_and_masters_match_plain_fp32(self, inner):
+    params = self._params()
+    opt = jaxmp.mixed_precision(inner, loss_scale=_dynamic(2.0**8, period=7))
+    state = opt.init(params)
+    ref_params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    ref_state = inner.init(ref_params)
+    step = jax.jit(opt.update)
+    ref_step = _jitted_step(inner)
+    rng = np.random.default_rng(2)
+    for grads in _random_grads(rng, params, 50, None):
+      # fp16-representable gradients so both runs see the same numbers.
+      grads = {k: np.asarray(jnp.asarray(g, params[k].dtype), np.float32)
+               for k, g in grads.items()}
+      scale = float(state.loss_scale)
+      updates, state = step(_scaled(grads, params, scale), state, params)
+      params = optax.apply_updates(params, updates)
+      ref_params, ref_state = ref_step(
+          {k: jnp.asarray(g) for k, g in grads.items()}, ref_state, ref_params)
+      assert bool(state.grads_finite)
+      masters = jaxmp.master_params(state, params)
+      for k in params:
+        np.testing.assert_array_equal(
+            np.asarray(params[k]).view(np.uint8),
+            np.asarray(masters[k].astype(params[k].dtype)).view(np.uint8))
+        # Different XLA programs contract multiply-adds into FMAs in different
+        # places; the masters agree with plain optax to fp32 rounding.
+        np.testing.assert_allclose(masters[k], ref_params[k], rtol=1e-6,
+                                   atol=1e-7)
+    assert float(state.loss_scale) == 2.0**8 * 2**7  # 50 // 7 growths.
+
+  @pytest.mark.parametrize("bad_value", [np.inf, -np.inf, np.nan])
+  @pytest.mark.parametrize("bad_leaf", ["half", "full"])
+  @pytest.mark.parametrize("bad_steps", [(0,), (5, 6, 11)])
+  def test_fault_injection_equals_control_run(self, bad_value, bad_leaf,
+                                              bad_steps):
+    """Skipped steps change nothing: bit-identical to a run without them."""
+    params = self._params()
+    opt = jaxmp.mixed_precision(optax.sgd(0.05, momentum=0.9),
+                                loss_scale=_dynamic(2.0**6, period=3))
+    step = jax.jit(opt.update)
+    run = {"faulty": [params, opt.init(params)],
+           "control": [params, opt.init(params)]}
+    rng = np.random.default_rng(3)
+    for t, grads in enumerate(_random_grads(rng, params, 14, None)):
+      grads = {k: np.asarray(jnp.asarray(g, params[k].dtype), np.float32)
+               for k, g in grads.items()}
+      for name in ("faulty", "control") if t not in bad_steps else ("faulty",):
+        p, state = run[name]
+        scaled = _scaled(grads, p, float(state.loss_scale))
+        if name == "faulty" and t in bad_steps:
+          leaf = scaled[bad_leaf]
+          scaled[bad_leaf] = leaf.at[(0,) * leaf.ndim].set(bad_value)
+        updates, state = step(scaled, state, p)
+        new_p = optax.apply_updates(p, updates)
+        if t in bad_steps:
+          assert not bool(state.grads_finite)
+          assert not any(np.any(np.asarray(u)) for u in updates.values())
+          for k in p:  # Skipped: the params are unchanged, bit for bit.
+            np.testing.assert_array_equal(np.asarray(new_p[k]).view(np.uint8),
+                                          np.asarray(p[k]).view(np.uint8))
+        run[name] = [new_p, state]
+      (p1, s1), (p2, s2) = run["faulty"], run["control"]
+      for a, b in ((p1, p2), (s1.master_params, s2.master_params),
+                   (s1.inner_state, s2.inner_state)):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+          np.testing.assert_array_equal(np.asarray(x).view(np.uint8),
+                                        np.asarray(y).view(np.uint8))
+    stats = jax.device_get(jaxmp.stats(run["faulty"][1]))
+    assert stats["skipped_steps"] == len(bad_steps)
+
+  def test_no_master_weights_updates_half_params_in_place(self):
+    params = {"w": jnp.ones(4, jnp.float16)}
+    opt = jaxmp.mixed_precision(optax.sgd(0.25), loss_scale=4.0,
+                                master_weights=False)
+    state = opt.init(params)
+    assert state.master_params == {"w": None}
+    updates, state = opt.update({"w": jnp.full(4, 4.0, jnp.float16)}, state,
+                                params)
+    assert optax.apply_updates(params, updates)["w"].tolist() == [0.75] * 4
+    with pytest.raises(ValueError, match="no master"):
+      jaxmp.master_params(state)
+
+  def test_master_params_without_params_for_all_half_tree(self):
+    params = {"w": jnp.ones(3, jnp.float16)}
+    state = jaxmp.mixed_precision(optax.sgd(0.1)).init(params)
+    masters = jaxmp.master_params(state)
+    assert masters["w"].dtype == jnp.float32
+
+
+class TestComposition:
+
+  def test_clip_inside_sees_unscaled_grads(self):
+    params = {"w": jnp.zeros(4)}
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+    opt = jaxmp.mixed_precision(inner, loss_scale=2.0**12)
+    state = opt.init(params)
+    grads = jnp.array([3.0, 4.0, 0.0, 0.0])  # norm 5, clipped to 1.
+    updates, _ = opt.update({"w": grads * 2.0**12}, state, params)
+    np.testing.assert_allclose(updates["w"], -grads / 5.0, rtol=1e-6)
+
+  def test_schedule_does_not_advance_on_skipped_steps(self):
+    sched = optax.piecewise_constant_schedule(1.0, {1: 0.5})
+    opt = jaxmp.mixed_precision(optax.sgd(sched), loss_scale=1.0)
+    params = {"w": jnp.zeros(1)}
+    state = opt.init(params)
+    _, state = opt.update({"w": jnp.array([jnp.nan])}, state, params)
+    updates, state = opt.update({"w": jnp.ones(1)}, state, params)
+    assert float(updates["w"][0]) == -1.0  # still step 0 of the schedule.
+
+  def test_inject_hyperparams_inside_and_outside(self):
+    params = {"w": jnp.ones(2, jnp.float16)}
+    inner = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
+    opt = jaxmp.mixed_precision(inner, loss_scale=2.0)
+    state = opt.init(params)
+    updates, state = opt.update({"w": jnp.full(2, 2.0, jnp.float16)}, state,
+                                params)
+    assert updates["w"].tolist() == [-0.5, -0.5]
+    outer = optax.inject_hyperparams(
+        jaxmp.mixed_precision, static_args=("loss_scale", "max_loss_scale",
+                                            "hysteresis"))(
+                                                optax.sgd(0.5), loss_scale=2.0)
+    ostate = outer.init(params)
+    assert float(jaxmp.stats(ostate)["loss_scale"]) == 2.0
+    updates, ostate = outer.update({"w": jnp.full(2, 2.0, jnp.float16)},
+                                   ostate, params)
+    assert updates["w"].tolist() == [-0.5, -0.5]
+    assert float(jaxmp.scale_loss(jnp.float32(3.0), ostate)) == 6.0
+
+  def test_multi_transform_inside(self):
+    params = {"a": jnp.ones(2, jnp.float16), "b": jnp.ones(2)}
+    inner = optax.multi_transform(
+        {"fast": optax.sgd(1.0), "frozen": optax.set_to_zero()},
+        {"a": "fast", "b": "frozen"})
+    opt = jaxmp.mixed_precision(inner, loss_scale=4.0)
+    state = opt.init(params)
+    grads = {"a": jnp.full(2, 4.0, jnp.float16), "b": jnp.full(2, 4.0)}
+    updates, state = jax.jit(opt.update)(grads, state, params)
+    new = optax.apply_updates(params, updates)
+    assert new["a"].tolist() == [0.0, 0.0] and new["b"].tolist() == [1.0, 1.0]
+    assert jaxmp.stats(state)["loss_scale"] == 4.0
+
+  def test_two_mixed_precision_states_are_ambiguous(self):
+    inner = optax.multi_transform(
+        {"x": jaxmp.mixed_precision(optax.sgd(1.0)),
+         "y": jaxmp.mixed_precision(optax.sgd(1.0))}, {"a": "x", "b": "y"})
+    state = inner.init({"a": jnp.ones(1), "b": jnp.ones(1)})
+    with pytest.raises(ValueError, match="found 2"):
+      jaxmp.stats(state)
+
+  def _windows(self, wrapper):
+    k = 3
+    opt = wrapper(
+        jaxmp.mixed_precision(optax.sgd(1.0), loss_scale=_dynamic(8.0)), k)
+    params = {"w": jnp.ones(2, jnp.float16)}
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+    scales, trajectory = [], []
+    # Window 1: microbatch 2 overflows -> whole window skipped.
+    # Window 2: all finite -> mean gradient applied once.
+    for g in [1.0, np.inf, 1.0, 1.0, 2.0, 3.0]:
+      scales.append(float(jaxmp.stats(state)["loss_scale"]))
+      grads = {"w": jnp.full(2, g * scales[-1], jnp.float16)}
+      updates, state = step(grads, state, params)
+      params = optax.apply_updates(params, updates)
+      trajectory.append(float(params["w"][0]))
+    return scales, trajectory, state
+
+  def test_multi_steps_outside_skips_whole_window_one_scale(self):
+    scales, trajectory, state = self._windows(jaxmp.multi_steps)
+    assert scales == [8.0, 8.0, 8.0, 4.0, 4.0, 4.0]
+    assert trajectory == [1.0, 1.0, 1.0, 1.0, 1.0, -1.0]  # 1 - mean(1, 2, 3)
+    assert int(jaxmp.stats(state)["skipped_steps"]) == 1
+
+  def test_optax_multisteps_stays_nan_after_an_overflow(self):
+    # Pins optax's flaw that jaxmp.multi_steps fixes: 0 * inf keeps the
+    # accumulator NaN, so the finite second window is skipped too.
+    _, trajectory, state = self._windows(optax.MultiSteps)
+    assert trajectory[-1] == 1.0
+    assert int(jaxmp.stats(state)["skipped_steps"]) == 2
+
+  def test_multisteps_inside_is_rejected(self):
+    inner = optax.MultiSteps(optax.sgd(1.0), 2).gradient_transformation()
+    with pytest.raises(ValueError, match="MultiSteps"):
+      jaxmp.mixed_precision(inner).init({"w": jnp.ones(1)})
+
+
+class TestAccessorsAndHelpers:
+
+  def _state(self):
+    opt = optax.chain(optax.scale(1.0), jaxmp.mixed_precision(
+        optax.sgd(0.1), loss_scale=_dynamic(16.0, floor=2.0)))
+    params = {"w": jnp.ones(2, jnp.float16)}
+    return opt, params, opt.init(params)
+
+  def test_scale_loss_and_loss_scale_in_a_chain(self):
+    _, _, state = self._state()
+    assert float(jaxmp.scale_loss(jnp.float32(0.5), state)) == 8.0
+    ls = jaxmp.loss_scale(state)
+    assert isinstance(ls, jmp.DynamicLossScale)
+    assert float(ls.loss_scale) == 16.0 and float(ls.min_loss_scale) == 2.0
+    assert sorted(jaxmp.stats(state)) == [
+        "consecutive_skips", "grads_finite", "loss_scale", "skipped_steps"]
+
+  def test_missing_state_is_a_clear_error(self):
+    with pytest.raises(ValueError, match="no jaxmp.mixed_precision state"):
+      jaxmp.scale_loss(1.0, optax.sgd(0.1).init({"w": jnp.ones(1)}))
+
+  def test_rollback_and_health_check(self):
+    opt, params, state = self._state()
+    bad = {"w": jnp.full(2, jnp.nan, jnp.float16)}
+    step = jax.jit(opt.update)
+    for t in range(1, 5):
+      _, state = step(bad, state, params)
+      jaxmp.check_health(state, t, max_consecutive_skips=5)
+      kept = jaxmp.rollback_if_skipped(state, {"m": jnp.ones(2)},
+                                       {"m": jnp.zeros(2)})
+      assert kept["m"].tolist() == [0.0, 0.0]
+    _, state = step(bad, state, params)
+    with pytest.raises(jaxmp.LossScaleCollapseError,
+                       match=r"steps 1\.\.5 \(5 in a row\).*floor 2"):
+      jaxmp.check_health(state, 5, max_consecutive_skips=5)
+    _, state = step({"w": jnp.ones(2, jnp.float16)}, state, params)
+    jaxmp.check_health(state, 7, max_consecutive_skips=5)
+    kept = jaxmp.rollback_if_skipped(state, {"m": jnp.ones(2)},
+                                     {"m": jnp.zeros(2)})
+    assert kept["m"].tolist() == [1.0, 1.0]
+
+
+class TestBadInput:
+
+  @pytest.mark.parametrize("kwargs,match", [
+      (dict(loss_scale="dynamic"), "loss_scale must be"),
+      (dict(loss_scale=-1.0), "finite and > 0"),
+      (dict(loss_scale=_dynamic(floor=0.0)), "min_loss_scale"),
+      (dict(hysteresis=0), "hysteresis"),
+      (dict(loss_scale=_dynamic(2.0, floor=4.0), max_loss_scale=2.0),
+       "above max_loss_scale"),
+  ])
+  def test_bad_construction(self, kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+      jaxmp.mixed_precision(optax.sgd(0.1), **kwargs)
+
+  def test_integer_params_and_missing_params(self):
+    opt = jaxmp.mixed_precision(optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"\['i'\] has dtype int32"):
+      opt.init({"i": jnp.ones(2, jnp.int32)})
+    state = opt.init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match="needs params"):
+      opt.update({"w": jnp.ones(2)}, state)
+
+
+class TestPolicies:
+
+  @pytest.mark.parametrize("spec,param,compute,output", [
+      ("O0", "float32", "float32", "float32"),
+      ("O1", "float32", "float16", "float32"),
+      ("O2", "float16", "float16", "float32"),
+      ("O3", "float16", "float16", "float16"),
+      ("bf16", "float32", "bfloat16", "float32"),
+      ("params=float32,compute=float16,output=float32",
+       "float32", "float16", "float32"),
+      ("p=f16,c=f16,o=f32", "float16", "float16", "float32"),
+  ])
+  def test_get_policy(self, spec, param, compute, output):
+    policy = jaxmp.get_policy(spec)
+    assert isinstance(policy, jmp.Policy)
+    assert [np.dtype(d).name for d in (policy.param_dtype,
+                                       policy.compute_dtype,
+                                       policy.output_dtype)] == [
+                                           param, compute, output]
+
+  def test_presets_carry_apex_properties(self):
+    o2 = jaxmp.get_preset("O2")
+    assert (o2.loss_scale, o2.keep_batchnorm_fp32, o2.master_weights) == (
+        "dynamic", True, True)
+    o3 = jaxmp.get_preset("O3")
+    assert (o3.loss_scale, o3.keep_batchnorm_fp32, o3.master_weights) == (
+        "none", False, False)
+    custom = jaxmp.get_preset("p=f16,c=f16,o=f32")
+    assert custom.master_weights and custom.loss_scale == "dynamic"
+    with pytest.raises(Exception):
+      o2.name = "x"  # frozen
+
+  @pytest.mark.parametrize("spec", ["O4", "fp16", "p=f99", "", 3])
+  def test_unknown_spec_lists_valid_ones(self, spec):
+    with pytest.raises(ValueError, match=r"O0, O1, O2, O3, bf16"):
+      jaxmp.get_policy(spec)
