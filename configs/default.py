@@ -59,6 +59,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.weight_decay = 5e-4
   config.label_smoothing = 0.0
 
+  # Devices: 0 = every visible device (a 1-D data-parallel mesh).
+  config.num_devices = 0
+
   # Bookkeeping.
   config.seed = 0
   config.log_every_steps = 50

@@ -16,6 +16,7 @@ from jaxmp._src.accessors import scale_loss
 from jaxmp._src.accessors import stats
 from jaxmp._src.mixed_precision import adjust_loss_scale
 from jaxmp._src.mixed_precision import all_finite
+from jaxmp._src.mixed_precision import LossScale
 from jaxmp._src.mixed_precision import LossScaleConfig
 from jaxmp._src.mixed_precision import mixed_precision
 from jaxmp._src.mixed_precision import MixedPrecisionState
@@ -34,6 +35,7 @@ __all__ = (
     "get_policy",
     "get_preset",
     "loss_scale",
+    "LossScale",
     "LossScaleCollapseError",
     "LossScaleConfig",
     "master_params",
