@@ -37,7 +37,9 @@ def create_manager(workdir: str, config: ml_collections.ConfigDict
       cleanup_tmp_directories=True,
       enable_async_checkpointing=True)
   return ocp.CheckpointManager(
-      os.path.abspath(os.path.join(workdir, "checkpoints")), options=options)
+      os.path.abspath(os.path.join(workdir, "checkpoints")), options=options,
+      item_handlers={"state": ocp.StandardCheckpointHandler(),
+                     "meta": ocp.JsonCheckpointHandler()})
 
 
 def should_save(config: ml_collections.ConfigDict, step: int, epoch_end: int,
@@ -77,12 +79,17 @@ def _check_shapes(path: str, template_flat: dict, names: list[str],
     return
   if stored is None:
     return
-  if len(stored) != len(template_flat):
+  try:
+    stored_keys = set(stored.keys())
+  except Exception:  # pylint: disable=broad-except
+    return
+  if stored_keys != set(template_flat):
     raise CheckpointError(
-        f"checkpoint {path} has {len(stored)} arrays, the config builds "
-        f"{len(template_flat)}: it was written by a different model/optimizer")
+        f"checkpoint {path} has {len(stored_keys)} arrays, the config builds "
+        f"{len(template_flat)}: it was written by a different "
+        "model/optimizer/policy")
   for (key, leaf), name in zip(template_flat.items(), names):
-    shape = getattr(stored.get(key), "shape", None)
+    shape = getattr(stored[key], "shape", None)
     if shape is not None and tuple(shape) != tuple(np.shape(leaf)):
       raise CheckpointError(
           f"checkpoint {path} does not match the config at {name}: stored "

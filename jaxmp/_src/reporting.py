@@ -1,7 +1,8 @@
 """What a run shows and writes: progress bar, epoch lines, metrics, plots.
 
 Only process 0 writes. Files in ``workdir``: ``metrics.jsonl`` (one JSON object
-per epoch), ``summary.json``, TensorBoard event files and ``plots.png``.
+per epoch), ``steps.jsonl`` (loss, loss scale and skips on log steps),
+``summary.json``, TensorBoard event files under ``tb/`` and ``plots.png``.
 """
 
 import json
@@ -75,9 +76,14 @@ class Reporter:
     if self._bar is not None:
       self._bar.set_postfix(scale=f"{scale:g}",
                             skipped=int(stats["skipped_steps"]))
+    record = {"step": step, "loss": float(stats["loss"]), "loss_scale": scale,
+              "skipped_steps": int(stats["skipped_steps"])}
+    with open(os.path.join(self.workdir, "steps.jsonl"), "a") as f:
+      f.write(json.dumps(record) + "\n")
     if self._tb is not None:
+      self._tb.add_scalar("train_loss_step", record["loss"], step)
       self._tb.add_scalar("loss_scale", scale, step)
-      self._tb.add_scalar("skipped_steps", int(stats["skipped_steps"]), step)
+      self._tb.add_scalar("skipped_steps", record["skipped_steps"], step)
 
   def log_epoch(self, *, epoch: int, step: int, train: dict, test: dict,
                 loss_scale: float, skipped_steps: int,

@@ -218,6 +218,7 @@ def make_train_step(config: ml_collections.ConfigDict, model: resnet.ResNet,
         "correct": metrics["correct"] + jnp.sum(
             jnp.argmax(logits, -1) == labels),
         "count": metrics["count"] + n,
+        "last_loss": loss,
     }
     return state.replace(step=state.step + 1, params=params,
                          batch_stats=batch_stats, opt_state=opt_state), metrics
@@ -271,7 +272,8 @@ def make_eval_step(config: ml_collections.ConfigDict, model: resnet.ResNet):
 def zero_metrics() -> dict[str, jax.Array]:
   return {"loss_sum": jnp.zeros([], jnp.float32),
           "correct": jnp.zeros([], jnp.int32),
-          "count": jnp.zeros([], jnp.int32)}
+          "count": jnp.zeros([], jnp.int32),
+          "last_loss": jnp.zeros([], jnp.float32)}
 
 
 def params_fingerprint(state: TrainState) -> str:
@@ -342,6 +344,7 @@ def load_data(config: ml_collections.ConfigDict) -> Data:
 def evaluate(config, eval_step, state, data: Data, sharding) -> dict:
   """Loss and accuracy over every test example exactly once."""
   totals = zero_metrics()
+  del totals["last_loss"]
   for batch in input_pipeline.eval_batches(
       config, data.test_images, data.test_labels,
       batch_size=config.eval_batch_size,
@@ -382,12 +385,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   if steps_per_epoch < 1:
     raise ConfigError(f"batch_size {config.batch_size} is larger than the "
                       f"{len(data.train_images)} training examples")
+  # num_train_steps stops the run early; the learning-rate schedule follows
+  # num_epochs, so a run stopped at k steps and resumed is the same run.
+  schedule_steps = steps_per_epoch * config.num_epochs
   total_steps = (config.num_train_steps if config.num_train_steps > 0 else
-                 steps_per_epoch * config.num_epochs)
+                 schedule_steps)
 
   model = create_model(config, data.num_classes)
   optimizer = create_optimizer(
-      config, create_learning_rate(config, steps_per_epoch, total_steps))
+      config, create_learning_rate(config, steps_per_epoch,
+                                   max(schedule_steps, total_steps)))
   state = create_train_state(config, model, optimizer,
                              data.train_images.shape[1:])
   manager = ckpt_lib.create_manager(workdir, config)
@@ -451,7 +458,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       if step % config.log_every_steps == 0 or step == epoch_end:
         jaxmp.check_health(state.opt_state, step,
                            config.max_consecutive_skips)
-        writer.log_step(step, jax.device_get(jaxmp.stats(state.opt_state)))
+        writer.log_step(step, jax.device_get(
+            {**jaxmp.stats(state.opt_state), "loss": metrics["last_loss"]}))
       if ckpt_lib.should_save(config, step, epoch_end, total_steps):
         ckpt_lib.save(manager, state, step, epoch_end == step,
                       steps_per_epoch)

@@ -1,0 +1,430 @@
+"""Tests for jaxmp._src.resnet and jaxmp._src.fused_norm (tiny shapes, CPU)."""
+
+import functools
+
+from absl.testing import parameterized
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jax.test_util
+import numpy as np
+import optax
+import pytest
+
+from jaxmp._src import fused_norm
+from jaxmp._src import resnet
+
+f16, f32 = jnp.float16, jnp.float32
+
+
+def _param_count(model, image_shape):
+  variables = jax.eval_shape(
+      lambda: model.init(jax.random.key(0), jnp.zeros(image_shape), False)
+  )
+  return sum(x.size for x in jax.tree.leaves(variables['params']))
+
+
+def _small(**kwargs):
+  """Two-stage ResNet (identity and projection blocks): compiles quickly."""
+  kwargs.setdefault('num_filters', 8)
+  return resnet.ResNet(stage_sizes=(1, 1), **kwargs)
+
+
+def _init(model, x, seed=0):
+  """Variables of ``model`` filled from NumPy (jax.random compiles slowly).
+
+  Kernels ~ N(0, 1/fan_in), BatchNorm scale ~ 1 + N(0, 0.1^2), biases ~
+  N(0, 0.1^2), batch_stats as initialised.
+  """
+  shapes = jax.eval_shape(
+      lambda: model.init(jax.random.key(0), x, train=False)
+  )
+  rng = np.random.default_rng(seed)
+
+  def fill(path, leaf):
+    name = path[-1].key
+    if path[0].key == 'batch_stats':
+      value = np.full(leaf.shape, 0.0 if name == 'mean' else 1.0)
+    elif name == 'kernel':
+      fan_in = np.prod(leaf.shape[:-1])
+      value = rng.normal(size=leaf.shape) / np.sqrt(fan_in)
+    else:
+      value = (name == 'scale') + 0.1 * rng.normal(size=leaf.shape)
+    return jnp.asarray(value, leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+def _images(shape=(4, 8, 8, 3), seed=0):
+  return jnp.asarray(np.random.default_rng(seed).normal(size=shape), f32)
+
+
+def _train_step_fn(model, loss_scale=1.0):
+  """Jitted (loss, logits, new_batch_stats, grads) of a train step.
+
+  Gradients are of ``loss * loss_scale``, returned unscaled in float32: a
+  static loss scale keeps float16 gradients of this tiny net from underflow.
+  """
+
+  def loss_fn(params, batch_stats, x, labels):
+    logits, updates = model.apply(
+        {'params': params, 'batch_stats': batch_stats}, x, train=True,
+        mutable=['batch_stats'],
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return loss.mean() * loss_scale, (logits, updates['batch_stats'])
+
+  @jax.jit
+  def step(variables, x, labels):
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, (logits, stats)), grads = grad_fn(
+        variables['params'], variables['batch_stats'], x, labels
+    )
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32) / loss_scale, grads)
+    return loss, logits, stats, grads
+
+  return step
+
+
+def _rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)
+
+
+class ParamCountTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ('cifar_10', 'resnet18', 10, 32, 11_173_962),
+      ('torchvision_1000', 'resnet18_torchvision', 1000, 224, 11_689_512),
+      ('torchvision_10', 'resnet18_torchvision', 10, 224, 11_181_642),
+  )
+  def test_param_count(self, name, num_classes, size, expected):
+    model = resnet.get_model(name, num_classes=num_classes)
+    self.assertEqual(_param_count(model, (1, size, size, 3)), expected)
+
+  def test_fused_and_plain_have_same_variables(self):
+    shapes = [
+        jax.eval_shape(
+            lambda m=m: m.init(jax.random.key(0), _images(), False)
+        )
+        for m in (resnet.resnet18(num_filters=4, fused_norm=fused)
+                  for fused in (True, False))
+    ]
+    self.assertEqual(
+        jax.tree.structure(shapes[0]), jax.tree.structure(shapes[1])
+    )
+
+  def test_torchvision_layer_names(self):
+    model = resnet.resnet18_torchvision(num_filters=4)
+    variables = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), _images((1, 32, 32, 3)), False)
+    )
+    params = variables['params']
+    self.assertEqual(
+        set(params),
+        {'conv1', 'bn1', 'fc'} | {f'layer{i}_{j}' for i in range(1, 5)
+                                  for j in range(2)},
+    )
+    self.assertIn('downsample_conv', params['layer2_0'])
+    self.assertNotIn('downsample_conv', params['layer1_0'])
+    self.assertEqual(params['conv1']['kernel'].shape, (7, 7, 3, 4))
+    self.assertEqual(set(variables['batch_stats']['bn1']), {'mean', 'var'})
+
+
+class ResNetTest(parameterized.TestCase):
+
+  @parameterized.product(stem=('cifar', 'imagenet'), dtype=(f32, f16))
+  def test_output_shape_and_dtype(self, stem, dtype):
+    model = _small(num_filters=4, num_classes=7, stem=stem, dtype=dtype)
+    x = _images((4, 16, 16, 3))
+    variables = _init(model, x)
+    apply = jax.jit(functools.partial(model.apply, mutable=['batch_stats']),
+                    static_argnames='train')
+    for train in (True, False):
+      out = apply(variables, x, train=train)[0]
+      self.assertEqual(out.shape, (4, 7))
+      self.assertEqual(out.dtype, f32)
+
+  def test_o2_dtypes(self):
+    model = resnet.resnet18(
+        num_filters=4, dtype=f16, param_dtype=f16, norm_dtype=f32
+    )
+    variables = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), _images(), train=False)
+    )
+    flat = jax.tree_util.tree_flatten_with_path(variables)[0]
+    for path, leaf in flat:
+      keys = [k.key for k in path]
+      is_norm = keys[0] == 'batch_stats' or any('bn' in k for k in keys)
+      with self.subTest('/'.join(keys)):
+        self.assertEqual(leaf.dtype, f32 if is_norm else f16)
+    logits = jax.eval_shape(
+        lambda v: model.apply(v, _images(), train=True,
+                              mutable=['batch_stats'])[0],
+        variables,
+    )
+    self.assertEqual(logits.dtype, f32)
+
+  @parameterized.parameters(True, False)
+  def test_jit_train_step_without_axis_name(self, fused):
+    model = _small(fused_norm=fused)
+    self.assertIsNone(model.axis_name)
+    x = _images()
+    variables = _init(model, x)
+    loss, _, stats, grads = _train_step_fn(model)(
+        variables, x, jnp.arange(4) % 10
+    )
+    self.assertTrue(np.isfinite(loss))
+    self.assertEqual(
+        jax.tree.structure(stats),
+        jax.tree.structure(variables['batch_stats']),
+    )
+    self.assertFalse(  # Running statistics moved.
+        np.allclose(stats['bn1']['mean'], variables['batch_stats']['bn1']['mean'])
+    )
+    self.assertEqual(
+        jax.tree.structure(grads), jax.tree.structure(variables['params'])
+    )
+
+  @parameterized.named_parameters(
+      ('fp32', dict(), 1e-5, 1e-4),
+      # float16 convs and activations: the fused path adds the residual in
+      # float32 before rounding, plain flax in float16. Measured ~2e-3.
+      ('o1', dict(dtype=f16), 1e-2, 1e-2),
+      ('o2', dict(dtype=f16, param_dtype=f16), 1e-2, 1e-2),
+  )
+  def test_fused_matches_plain_train(self, kwargs, fwd_tol, grad_tol):
+    x = _images()
+    labels = jnp.arange(4) % 10
+    fused = _small(fused_norm=True, **kwargs)
+    plain = _small(fused_norm=False, **kwargs)
+    variables = _init(fused, x, seed=1)
+    out_f = _train_step_fn(fused, 1024.0)(variables, x, labels)
+    out_p = _train_step_fn(plain, 1024.0)(variables, x, labels)
+    self.assertLess(_rel_err(out_f[1], out_p[1]), fwd_tol)  # logits
+    for (path, a), b in zip(
+        jax.tree_util.tree_flatten_with_path(out_f[2])[0],
+        jax.tree.leaves(out_p[2]),
+    ):  # batch_stats updates
+      with self.subTest(f'stats{jax.tree_util.keystr(path)}'):
+        self.assertEqual(a.dtype, b.dtype)
+        self.assertLess(_rel_err(a, b), fwd_tol)
+    for (path, a), b in zip(
+        jax.tree_util.tree_flatten_with_path(out_f[3])[0],
+        jax.tree.leaves(out_p[3]),
+    ):  # gradients
+      with self.subTest(f'grad{jax.tree_util.keystr(path)}'):
+        self.assertLess(_rel_err(a, b), grad_tol)
+
+  def test_fused_matches_plain_eval(self):
+    x = _images()
+    fused = _small(fused_norm=True)
+    plain = _small(fused_norm=False)
+    variables = _init(fused, x)
+    # Non-trivial running statistics.
+    variables = {
+        'params': variables['params'],
+        'batch_stats': _train_step_fn(fused)(variables, x, jnp.zeros(4, int))[2],
+    }
+    np.testing.assert_allclose(
+        jax.jit(functools.partial(fused.apply, train=False))(variables, x),
+        jax.jit(functools.partial(plain.apply, train=False))(variables, x),
+        rtol=1e-5, atol=1e-5,
+    )
+
+  def test_torchvision_init_statistics(self):
+    model = resnet.ResNet(
+        stage_sizes=(1,), num_filters=32, num_classes=10, stem='imagenet',
+        init_scheme='torchvision',
+    )
+    init = jax.jit(functools.partial(model.init, train=False))
+    params = init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))['params']
+    conv = params['layer1_0']['conv1']['kernel']  # 3x3x32x32, fan_out 288
+    np.testing.assert_allclose(np.std(conv), np.sqrt(2 / 288), rtol=0.05)
+    self.assertGreater(np.max(np.abs(conv)), 3 * np.sqrt(2 / 288))  # Untruncated.
+    bound = 1 / np.sqrt(32)
+    for leaf in (params['fc']['kernel'], params['fc']['bias']):
+      self.assertLessEqual(np.max(np.abs(leaf)), bound)
+      self.assertGreater(np.max(np.abs(leaf)), 0.5 * bound)
+    np.testing.assert_array_equal(params['bn1']['scale'], 1.0)
+    np.testing.assert_array_equal(params['bn1']['bias'], 0.0)
+
+  def test_get_model_bad_name(self):
+    with self.assertRaisesRegex(ValueError, "'resnet19'.*resnet18"):
+      resnet.get_model('resnet19')
+
+  def test_get_model_partials(self):
+    model = resnet.get_model('resnet18_torchvision', num_classes=3)
+    self.assertEqual(model.stem, 'imagenet')
+    self.assertEqual(model.init_scheme, 'torchvision')
+    self.assertEqual(tuple(model.stage_sizes), (2, 2, 2, 2))
+    self.assertEqual(model.num_classes, 3)
+
+
+def _reference_norm_act(x, scale, bias, residual, relu):
+  """nn.BatchNorm (train) + add + relu, with the same variables."""
+  y, updates = nn.BatchNorm(use_running_average=False, momentum=0.9).apply(
+      {'params': {'scale': scale, 'bias': bias},
+       'batch_stats': {'mean': jnp.zeros_like(scale),
+                       'var': jnp.ones_like(scale)}},
+      x, mutable=['batch_stats'],
+  )
+  if residual is not None:
+    y = y + residual
+  return (nn.relu(y) if relu else y), updates['batch_stats']
+
+
+def _fused_norm_act(x, scale, bias, residual, relu, axis_name=None):
+  return fused_norm.FusedBatchNorm(
+      use_running_average=False, relu=relu, axis_name=axis_name
+  ).apply(
+      {'params': {'scale': scale, 'bias': bias},
+       'batch_stats': {'mean': jnp.zeros_like(scale),
+                       'var': jnp.ones_like(scale)}},
+      x, residual, mutable=['batch_stats'],
+  )[0]
+
+
+def _norm_inputs(dtype=f32, shape=(4, 3, 3, 5)):
+  rng = np.random.default_rng(2)
+  x = 2 * rng.normal(size=shape) + 0.5
+  residual = rng.normal(size=shape)
+  scale = 1 + 0.5 * rng.normal(size=shape[-1:])
+  bias = 0.5 * rng.normal(size=shape[-1:])
+  return tuple(jnp.asarray(a, dtype) for a in (x, scale, bias, residual))
+
+
+class FusedNormTest(parameterized.TestCase):
+
+  @parameterized.product(relu=(True, False), with_residual=(True, False))
+  def test_check_grads_float64(self, relu, with_residual):
+    with jax.enable_x64(True):
+      x, scale, bias, residual = _norm_inputs(jnp.float64)
+      if not with_residual:
+        residual = None
+
+      def f(x, scale, bias, residual):
+        y, _, _ = fused_norm.fused_batch_norm(
+            x, scale, bias, residual, relu=relu
+        )
+        return y
+
+      jax.test_util.check_grads(
+          f, (x, scale, bias, residual), order=1, modes=['rev'], eps=1e-6
+      )
+
+  @parameterized.product(relu=(True, False), with_residual=(True, False))
+  def test_matches_flax_batch_norm(self, relu, with_residual):
+    x, scale, bias, residual = _norm_inputs()
+    if not with_residual:
+      residual = None
+    ct = jnp.asarray(np.random.default_rng(3).normal(size=x.shape), f32)
+
+    def loss(fn, x, scale, bias, residual):
+      y = fn(x, scale, bias, residual, relu)
+      if isinstance(y, tuple):
+        y = y[0]
+      return jnp.sum(y * ct)
+
+    np.testing.assert_allclose(
+        _fused_norm_act(x, scale, bias, residual, relu),
+        _reference_norm_act(x, scale, bias, residual, relu)[0],
+        rtol=1e-5, atol=1e-5,
+    )
+    argnums = (0, 1, 2, 3) if with_residual else (0, 1, 2)
+    g_fused = jax.grad(
+        functools.partial(loss, _fused_norm_act), argnums
+    )(x, scale, bias, residual)
+    g_ref = jax.grad(
+        functools.partial(loss, _reference_norm_act), argnums
+    )(x, scale, bias, residual)
+    for a, b in zip(g_fused, g_ref):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+  def test_half_precision_io_float32_stats(self):
+    x, scale, bias, residual = _norm_inputs(f16)
+    scale, bias = scale.astype(f32), bias.astype(f32)
+    y, mean, var = fused_norm.fused_batch_norm(
+        x, scale, bias, residual, relu=True
+    )
+    self.assertEqual((y.dtype, mean.dtype, var.dtype), (f16, f32, f32))
+    grads = jax.grad(
+        lambda *a: jnp.sum(fused_norm.fused_batch_norm(*a, relu=True)[0]),
+        argnums=(0, 1, 2, 3),
+    )(x, scale, bias, residual)
+    self.assertEqual([g.dtype for g in grads], [f16, f32, f32, f16])
+
+  def test_saves_only_half_precision_activations(self):
+    x, scale, bias, residual = _norm_inputs(f16, shape=(4, 8, 8, 16))
+    scale, bias = scale.astype(f32), bias.astype(f32)
+
+    def f(x):
+      y = fused_norm.fused_batch_norm(x, scale, bias, residual, relu=True)[0]
+      return jnp.sum(y.astype(f32))
+
+    jaxpr = jax.make_jaxpr(lambda x: jax.vjp(f, x)[1])(x).jaxpr
+    big = [v.aval for v in jaxpr.outvars if v.aval.size >= x.size]
+    self.assertTrue(big)
+    self.assertTrue(all(a.dtype == f16 for a in big), big)
+    self.assertLessEqual(len(big), 2)  # x and the output; no mask, no fp32.
+
+  def test_running_average_update(self):
+    x, scale, bias, _ = _norm_inputs()
+    stats = fused_norm.FusedBatchNorm(
+        use_running_average=False, momentum=0.8
+    ).apply(
+        {'params': {'scale': scale, 'bias': bias},
+         'batch_stats': {'mean': jnp.full(5, 1.0), 'var': jnp.full(5, 2.0)}},
+        x, mutable=['batch_stats'],
+    )[1]['batch_stats']
+    xs = np.asarray(x).reshape(-1, 5)
+    np.testing.assert_allclose(
+        stats['mean'], 0.8 * 1.0 + 0.2 * xs.mean(0), rtol=1e-5
+    )
+    np.testing.assert_allclose(  # Biased variance, like nn.BatchNorm.
+        stats['var'], 0.8 * 2.0 + 0.2 * xs.var(0), rtol=1e-5
+    )
+
+  def test_axis_name_under_vmap(self):
+    # Two "devices" as a named vmap axis: statistics span both, and each
+    # device's gradient (taken inside the map, as in a pmap-ed train step) is
+    # that of the summed loss, exactly as for nn.BatchNorm and as for one
+    # device holding the whole batch.
+    x, scale, bias, residual = _norm_inputs(shape=(2, 4, 3, 3, 5))
+    ct = jnp.cos(jnp.arange(x.size, dtype=f32).reshape(x.shape))
+
+    def fused(x, r, axis_name):
+      return _fused_norm_act(x, scale, bias, r, True, axis_name=axis_name)
+
+    def plain(x, r, axis_name):
+      y, _ = nn.BatchNorm(
+          use_running_average=False, axis_name=axis_name
+      ).apply(
+          {'params': {'scale': scale, 'bias': bias},
+           'batch_stats': {'mean': jnp.zeros(5), 'var': jnp.ones(5)}},
+          x, mutable=['batch_stats'],
+      )
+      return nn.relu(y + r)
+
+    def local_loss(fn, x, r, c):
+      return jnp.sum(fn(x, r, 'd') * c)
+
+    def whole_batch_loss(x, r):
+      y = fused(x.reshape(8, 3, 3, 5), r.reshape(8, 3, 3, 5), None)
+      return jnp.sum(y.reshape(x.shape) * ct)
+
+    mapped = jax.vmap(functools.partial(fused, axis_name='d'), axis_name='d')
+    whole = fused(x.reshape(8, 3, 3, 5), residual.reshape(8, 3, 3, 5), None)
+    np.testing.assert_allclose(
+        mapped(x, residual), whole.reshape(x.shape), rtol=1e-5, atol=1e-6
+    )
+    expected = jax.jit(jax.grad(whole_batch_loss, (0, 1)))(x, residual)
+    for fn in (fused, plain):
+      grads = jax.jit(jax.vmap(
+          jax.grad(functools.partial(local_loss, fn), (0, 1)), axis_name='d'
+      ))(x, residual, ct)
+      for a, b in zip(grads, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+if __name__ == '__main__':
+  pytest.main([__file__])
