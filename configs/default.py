@@ -61,6 +61,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Devices: 0 = every visible device (a 1-D data-parallel mesh).
   config.num_devices = 0
+  # Several hosts: set all three, or start under SLURM/Open MPI (auto-detect).
+  config.coordinator_address = ""  # e.g. "10.0.0.1:1234"
+  config.num_processes = 1
+  config.process_id = 0
 
   # Bookkeeping.
   config.seed = 0

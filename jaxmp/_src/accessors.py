@@ -15,6 +15,13 @@ import numpy as np
 from jaxmp._src import mixed_precision as mp
 
 
+def _host(x) -> np.ndarray:
+  """Fetches a replicated array, also when it spans several processes."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return np.asarray(x.addressable_data(0))
+  return np.asarray(jax.device_get(x))
+
+
 class LossScaleCollapseError(RuntimeError):
   """The loss scale sat at its floor while steps kept being skipped."""
 
@@ -182,8 +189,8 @@ def check_health(opt_state: Any, step: int,
     LossScaleCollapseError: naming the step range and the scale.
   """
   state = find_state(opt_state)
-  skips, scale = jax.device_get((state.consecutive_skips, state.loss_scale))
-  skips, scale = int(skips), float(scale)
+  skips, scale = int(_host(state.consecutive_skips)), float(
+      _host(state.loss_scale))
   cfg = state.config
   at_floor = cfg.kind != "dynamic" or scale <= cfg.min_loss_scale
   if skips >= max_consecutive_skips and at_floor:

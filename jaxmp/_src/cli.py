@@ -18,6 +18,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> int:
               checkpoint.CheckpointError, jaxmp.LossScaleCollapseError,
               PermissionError, ValueError)
   try:
+    train.validate_config(config)
+    train.initialize_distributed(config)
     train.train_and_evaluate(config, workdir)
   except expected as e:
     print(f"error: {e}", file=sys.stderr, flush=True)

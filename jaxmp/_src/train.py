@@ -276,10 +276,19 @@ def zero_metrics() -> dict[str, jax.Array]:
           "last_loss": jnp.zeros([], jnp.float32)}
 
 
+def to_host(tree: Any) -> Any:
+  """Fetches replicated arrays, also those spanning several processes."""
+  def fetch(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return np.asarray(x.addressable_data(0))
+    return np.asarray(jax.device_get(x))
+  return jax.tree.map(fetch, tree)
+
+
 def params_fingerprint(state: TrainState) -> str:
   """sha256 of the fp32 master params, leaves in sorted path order."""
   masters = jaxmp.master_params(state.opt_state, state.params)
-  flat = jax.tree_util.tree_leaves_with_path(jax.device_get(masters))
+  flat = jax.tree_util.tree_leaves_with_path(to_host(masters))
   digest = hashlib.sha256()
   for path, leaf in sorted(flat, key=lambda kv: jax.tree_util.keystr(kv[0])):
     digest.update(jax.tree_util.keystr(path).encode())
@@ -290,6 +299,22 @@ def params_fingerprint(state: TrainState) -> str:
 # ---------------------------------------------------------------------------
 # Devices and data.
 # ---------------------------------------------------------------------------
+
+
+def initialize_distributed(config: ml_collections.ConfigDict) -> None:
+  """Joins a multi-process run when one is configured; no-op otherwise.
+
+  ``config.coordinator_address`` (with ``num_processes`` and ``process_id``)
+  starts `jax.distributed` explicitly; otherwise a cluster launcher that JAX
+  detects (SLURM, Open MPI, ``JAX_COORDINATOR_ADDRESS``) does.
+  """
+  address = config.get("coordinator_address", "")
+  if address:
+    jax.distributed.initialize(address, int(config.num_processes),
+                               int(config.process_id))
+  elif any(v in os.environ for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
+                                     "JAX_COORDINATOR_ADDRESS")):
+    jax.distributed.initialize()
 
 
 def create_mesh(config: ml_collections.ConfigDict) -> Mesh:
@@ -352,7 +377,7 @@ def evaluate(config, eval_step, state, data: Data, sharding) -> dict:
     b = global_batch(batch, sharding)
     m = eval_step(state, b["image"], b["label"], b["mask"])
     totals = jax.tree.map(lambda a, x: a + x.astype(a.dtype), totals, m)
-  totals = jax.device_get(totals)
+  totals = to_host(totals)
   count = max(int(totals["count"]), 1)
   return {"loss": float(totals["loss_sum"]) / count,
           "accuracy": float(totals["correct"]) / count,
@@ -458,18 +483,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       if step % config.log_every_steps == 0 or step == epoch_end:
         jaxmp.check_health(state.opt_state, step,
                            config.max_consecutive_skips)
-        writer.log_step(step, jax.device_get(
+        writer.log_step(step, to_host(
             {**jaxmp.stats(state.opt_state), "loss": metrics["last_loss"]}))
       if ckpt_lib.should_save(config, step, epoch_end, total_steps):
         ckpt_lib.save(manager, state, step, epoch_end == step,
                       steps_per_epoch)
-    m = jax.device_get(metrics)
+    m = to_host(metrics)
     elapsed = time.time() - epoch_start
     count = max(int(m["count"]), 1)
     last_train = {"loss": float(m["loss_sum"]) / count,
                   "accuracy": float(m["correct"]) / count}
     test = evaluate(config, eval_step, state, data, batch_sharding)
-    stats = jax.device_get(jaxmp.stats(state.opt_state))
+    stats = to_host(jaxmp.stats(state.opt_state))
     writer.log_epoch(
         epoch=epoch + 1, step=step, train=last_train, test=test,
         loss_scale=float(stats["loss_scale"]),
