@@ -1,0 +1,148 @@
+"""Cost of jaxmp's loss scaling in a whole fp32 ResNet18 train step (CPU).
+
+Run: ``python bench/step_overhead.py``  (about 1 minute on 2 cores)
+Full size: ``BENCH_FULL=1 python bench/step_overhead.py`` (64 filters, batch
+128; about 12 s a step on 2 cores, so several minutes).
+
+Two jitted train steps of the CIFAR ResNet18 (``jaxmp._src.resnet.resnet18``,
+10 classes, BatchNorm in train mode, policy O0: fp32 params and compute), the
+same model, init and batch:
+
+* ``optax``: the bare optimizer ``inner = chain(add_decayed_weights(5e-4),
+  sgd(0.1, momentum=0.9))`` (the project's SGD), no scaling, no finite check.
+* ``jaxmp``: ``jaxmp.mixed_precision(inner,
+  loss_scale=jmp.DynamicLossScale(2**15))``; the loss goes through
+  ``jaxmp.scale_loss`` and the BatchNorm statistics through
+  ``jaxmp.rollback_if_skipped``, as ``jaxmp._src.train.make_train_step`` does.
+
+Both steps donate their state. Each repetition runs both steps back to
+back, alternating which goes first (AB BA ...), after two warm-up calls each
+(compile excluded). The headline is the median over repetitions of the
+per-repetition ratio: on a shared 2-core machine the load drifts between
+repetitions by +-30%, and a ratio of two steps run seconds apart cancels most
+of that drift (the ratio of the two medians is printed too).
+Environment: ``BENCH_FILTERS`` (default 16), ``BENCH_BATCH`` (default 32),
+``BENCH_REPS`` (default 30; 10 with ``BENCH_FULL=1``: 64 filters, batch 128).
+
+Why 16 filters at batch 32 is representative: the optimizer's work (and so
+the loss-scaling overhead: unscale, finite check, selects) grows with the
+params, ``~F**2``; the convolutions with ``F**2 * batch``. Their ratio does
+not depend on the width, so 16 filters at batch 32 has the overhead share of
+the full 64-filter model at batch 32, and 4x the share it has at batch 128:
+a conservative stand-in that runs 16x faster, so it can afford the many
+repetitions a shared 2-core machine needs.
+
+The last line is ``step_time_ratio: X`` (jaxmp / optax; goal <= 1.03).
+"""
+
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+
+import jaxmp
+from jaxmp._src import resnet
+
+FULL = os.environ.get("BENCH_FULL", "0") == "1"
+FILTERS = int(os.environ.get("BENCH_FILTERS", "64" if FULL else "16"))
+BATCH = int(os.environ.get("BENCH_BATCH", "128" if FULL else "32"))
+REPS = int(os.environ.get("BENCH_REPS", "10" if FULL else "30"))
+
+
+def make_step(model, optimizer, scaled: bool):
+  """A jitted ``step(state, images, labels) -> (state, loss)``.
+
+  Args:
+    model: the Flax ResNet.
+    optimizer: the optax optimizer whose state is in ``state["opt"]``.
+    scaled: scale the loss and roll back BatchNorm statistics through jaxmp
+      (``optimizer`` must then be a `jaxmp.mixed_precision`).
+
+  Returns:
+    The jitted step, with the state donated.
+  """
+
+  def step(state, images, labels):
+    def loss_fn(params):
+      logits, new_vars = model.apply(
+          {"params": params, "batch_stats": state["batch_stats"]}, images,
+          train=True, mutable=["batch_stats"])
+      loss = optax.softmax_cross_entropy_with_integer_labels(
+          logits, labels).mean()
+      out = jaxmp.scale_loss(loss, state["opt"]) if scaled else loss
+      return out, (loss, new_vars["batch_stats"])
+
+    grads, (loss, stats) = jax.grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt = optimizer.update(grads, state["opt"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    if scaled:
+      stats = jaxmp.rollback_if_skipped(opt, stats, state["batch_stats"])
+    return {"params": params, "batch_stats": stats, "opt": opt}, loss
+
+  return jax.jit(step, donate_argnums=(0,))
+
+
+def main():
+  model = resnet.resnet18(num_classes=10, num_filters=FILTERS)
+  rng = np.random.default_rng(0)
+  images = jnp.asarray(rng.standard_normal((BATCH, 32, 32, 3), np.float32))
+  labels = jnp.asarray(rng.integers(0, 10, BATCH), jnp.int32)
+  variables = jax.jit(lambda k: model.init(k, images[:1], train=False))(
+      jax.random.key(0))
+
+  inner = optax.chain(optax.add_decayed_weights(5e-4),
+                      optax.sgd(0.1, momentum=0.9))
+  scaled_opt = jaxmp.mixed_precision(
+      inner, loss_scale=jmp.DynamicLossScale(np.float32(2.0**15)))
+  cases = {}
+  for name, opt, scaled in (("optax", inner, False),
+                            ("jaxmp", scaled_opt, True)):
+    params = jax.tree.map(jnp.copy, variables["params"])
+    state = {"params": params,
+             "batch_stats": jax.tree.map(jnp.copy, variables["batch_stats"]),
+             "opt": opt.init(params)}
+    cases[name] = [make_step(model, opt, scaled), state]
+
+  def run(name):
+    step, state = cases[name]
+    t = time.perf_counter()
+    state, loss = step(state, images, labels)
+    jax.block_until_ready((state, loss))
+    cases[name][1] = state
+    return time.perf_counter() - t
+
+  for _ in range(2):  # Warm-up: compile, touch memory.
+    for name in cases:
+      run(name)
+  times = {name: [] for name in cases}
+  order = list(cases)
+  for _ in range(REPS):
+    for name in order:
+      times[name].append(run(name))
+    order.reverse()
+  med = {name: statistics.median(t) for name, t in times.items()}
+  ratio = statistics.median(
+      a / b for a, b in zip(times["jaxmp"], times["optax"]))
+  n_params = sum(x.size for x in jax.tree.leaves(variables["params"]))
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform} "
+        f"({os.cpu_count()} cpus); ResNet18 CIFAR, {FILTERS} filters "
+        f"({n_params:,} params), batch {BATCH}, fp32 (O0); {REPS} "
+        "interleaved reps after 2 warm-up, median")
+  print(f"{'step':<8}{'median ms':>11}{'min ms':>9}{'max ms':>9}")
+  for name in cases:
+    print(f"{name:<8}{med[name] * 1e3:>11.1f}{min(times[name]) * 1e3:>9.1f}"
+          f"{max(times[name]) * 1e3:>9.1f}")
+  print(f"ratio of medians (jaxmp/optax): {med['jaxmp'] / med['optax']:.3f}; "
+        f"per-rep ratios: "
+        + " ".join(f"{a / b:.2f}" for a, b in zip(times["jaxmp"],
+                                                   times["optax"])))
+  print(f"step_time_ratio: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+  main()
