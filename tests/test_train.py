@@ -178,6 +178,8 @@ def test_truncated_checkpoint_falls_back(data_dir, tmp_path, capsys):
   assert path.endswith(os.path.join("checkpoints", "2"))
   assert int(state.step) == 2
   assert "checkpoints/4 is unusable" in capsys.readouterr().out
+  # The unusable checkpoint was set aside; put it back as the only one left.
+  os.replace(os.path.join(workdir, "unusable_checkpoints", "4"), newest)
   shutil.rmtree(os.path.join(workdir, "checkpoints", "2"))
   manager = checkpoint.create_manager(workdir, config)
   with pytest.raises(checkpoint.CheckpointError, match="checkpoints/4"):

@@ -424,6 +424,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                              data.train_images.shape[1:])
   manager = ckpt_lib.create_manager(workdir, config)
   state, resumed = ckpt_lib.restore_latest(manager, state, workdir)
+  if jax.process_count() > 1:
+    # Placing a committed one-device array on other processes' devices is a
+    # cross-host transfer, which CPU and GPU backends lack; every process
+    # holds the same values, so place host copies (jax checks they agree).
+    state = jax.device_get(state)
   state = jax.device_put(state, replicated)
   first_step = int(state.step)
   if resumed:
@@ -503,7 +508,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         max(elapsed, 1e-9))
   if test is None:  # Nothing left to train (resumed at the end): evaluate.
     test = evaluate(config, eval_step, state, data, batch_sharding)
-  manager.wait_until_finished()
+  ckpt_lib.wait_until_finished(manager)
   summary = {
       "test_loss": test["loss"],
       "test_accuracy": test["accuracy"],

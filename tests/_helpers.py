@@ -1,0 +1,300 @@
+"""Shared test helpers: a driver that runs training jobs in child processes.
+
+`python tests/_helpers.py SPEC.json` imports jax, TensorFlow and jaxmp once,
+reads the data set once, then runs each job of the spec in a forked child, with
+an optional fault injected into orbax in that child only. Forking after the
+imports but before JAX has a backend (the parent never touches a device) gives
+every child a fresh runtime for a few seconds of CPU instead of a ~15 s cold
+start, so a test can SIGKILL a run at several points cheaply. Jobs run in
+device-resident mode (``data_on_device``) on data read by the parent, so that a
+child never runs TensorFlow, whose runtime the parent already started.
+
+A job is ``{"workdir", "config": {overrides}, "fault", "step", "log",
+"remove": [globs]}``; the parent first deletes the largest file that each
+glob of ``remove`` matches. The child's stdout and stderr go to ``log``.
+The driver writes, per job, the exit code (``-9`` for SIGKILL) and then the
+checkpoint directory's `listing` to ``SPEC["results"]``. Faults, at
+checkpoint ``step``:
+
+* ``kill_before_save``: the previous save has completed; no write has started.
+* ``kill_during_write``: the step's temporary directory is being written (the
+  first data file has appeared; the rename is held back until the kill).
+* ``kill_after_write``: everything is written, ``commit_success`` included,
+  just before the temporary directory is renamed.
+* ``kill_during_cleanup``: half-way through deleting checkpoint ``step``, the
+  oldest beyond ``keep_checkpoints`` once a newer one is renamed: its
+  ``state`` is gone, the rest is still there.
+* ``enospc``: the state's ``_METADATA`` write fails with ``ENOSPC`` (disk full)
+  in orbax's background writer thread.
+
+Run a job through ``cli.run`` (the command line's error handling) with
+``"cli": true``.
+
+`run_distributed` starts the processes of a multi-process (`jax.distributed`)
+run on localhost instead, see `distributed_main`.
+"""
+
+import errno
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# Same as conftest.py: tiny shapes, so skip XLA's slow LLVM optimisations.
+FAST_COMPILE = ("--xla_backend_optimization_level=0 "
+                "--xla_llvm_disable_expensive_passes=true")
+ROOT = os.path.dirname(TESTS)
+TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+def run_driver(spec: dict, path: str, *, devices: int = 4,
+               timeout: float = 300) -> list[dict]:
+  """Runs the driver on ``spec`` (written to ``path``); returns the results."""
+  spec = dict(spec, results=path + ".results.json")
+  with open(path, "w") as f:
+    json.dump(spec, f)
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+             + FAST_COMPILE)
+  out = subprocess.run([sys.executable, __file__, path], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  with open(spec["results"]) as f:
+    return json.load(f)
+
+
+def read_log(job: dict) -> str:
+  with open(job["log"]) as f:
+    return f.read()
+
+
+def tmp_dirs(workdir: str) -> list[str]:
+  return sorted(glob.glob(os.path.join(workdir, "checkpoints",
+                                       f"*{TMP_MARK}*")))
+
+
+def listing(workdir: str) -> dict[str, list[str]]:
+  """``{entry of <workdir>/checkpoints: its entries}``."""
+  root = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(root):
+    return {}
+  return {name: sorted(os.listdir(os.path.join(root, name)))
+          for name in sorted(os.listdir(root))
+          if os.path.isdir(os.path.join(root, name))}
+
+
+def _kill() -> None:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _step_of(path) -> int:
+  m = re.search(r"/(\d+)" + re.escape(TMP_MARK), str(path))
+  return int(m.group(1)) if m else -1
+
+
+def _install_fault(fault: str, at: int) -> None:
+  """Patches orbax/jaxmp in this (child) process; see the module docstring."""
+  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.path import async_path
+  from orbax.checkpoint._src.path import atomicity
+  from orbax.checkpoint._src.path import deleter
+  from jaxmp._src import checkpoint
+
+  save = checkpoint.save
+  if fault == "kill_before_save":
+    def patched_save(manager, state, step, *args):
+      if step == at:
+        manager.wait_until_finished()  # The previous save is complete.
+        _kill()
+      return save(manager, state, step, *args)
+    checkpoint.save = patched_save
+
+  elif fault == "kill_during_write":
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+    async def held_finalize(self, *args, **kwargs):
+      if _step_of(self.get()) == at:
+        threading.Event().wait()  # Never renamed: the kill comes first.
+      return await finalize(self, *args, **kwargs)
+    atomicity.AtomicRenameTemporaryPath.finalize = held_finalize
+
+    def patched_save(manager, state, step, *args):
+      save(manager, state, step, *args)
+      if step == at:
+        pattern = os.path.join(str(manager.directory), f"{at}{TMP_MARK}*",
+                               "state*", "**", "*")
+        deadline = time.time() + 20
+        files = []
+        while time.time() < deadline and not files:
+          files = [p for p in glob.glob(pattern, recursive=True)
+                   if os.path.isfile(p)]
+          time.sleep(0.001)
+        print(f"killing during the write of {at} ({len(files)} files written)",
+              flush=True)
+        _kill()
+    checkpoint.save = patched_save
+
+  elif fault == "kill_after_write":
+    rename = async_path.rename
+    async def patched_rename(src, dst):
+      if _step_of(src) == at:
+        done = os.path.exists(os.path.join(str(src), "commit_success.txt"))
+        print(f"killing before the rename of {src} (commit_success: {done})",
+              flush=True)
+        _kill()
+      return await rename(src, dst)
+    async_path.rename = patched_rename
+
+  elif fault == "kill_during_cleanup":
+    delete = deleter.PathDeleter.delete
+    def patched_delete(self, path, *args, **kwargs):
+      if os.path.basename(str(path)) == str(at):
+        shutil.rmtree(os.path.join(str(path), "state"))
+        print(f"killing while deleting {path}", flush=True)
+        _kill()
+      return delete(self, path, *args, **kwargs)
+    deleter.PathDeleter.delete = patched_delete
+
+  elif fault == "enospc":
+    write_text = async_path.write_text
+    async def full_disk(path, text):
+      if _step_of(path) == at and os.path.basename(str(path)) == "_METADATA":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+      return await write_text(path, text)
+    async_path.write_text = full_disk
+
+  elif fault:
+    raise ValueError(f"unknown fault {fault!r}")
+
+
+def _run_job(job: dict, data) -> None:
+  """The child: redirects output, installs the fault, trains."""
+  fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  os.dup2(fd, 1)
+  os.dup2(fd, 2)
+  sys.stdout = os.fdopen(1, "w", buffering=1)
+  sys.stderr = os.fdopen(2, "w", buffering=1)
+  # pylint: disable=g-import-not-at-top
+  from jaxmp._src import cli
+  from jaxmp._src import train
+  from test_train import tiny_config
+  config = tiny_config(job["data_dir"], data_on_device=True,
+                       **job.get("config", {}))
+  train.load_data = lambda _: data
+  _install_fault(job.get("fault", ""), int(job.get("step", 0)))
+  if job.get("cli"):
+    os._exit(cli.run(config, job["workdir"]))  # pylint: disable=protected-access
+  summary = train.train_and_evaluate(config, job["workdir"])
+  print("fingerprint", summary["params_fingerprint"], flush=True)
+  os._exit(0)  # pylint: disable=protected-access
+
+
+def main(spec_path: str) -> None:
+  with open(spec_path) as f:
+    spec = json.load(f)
+  sys.path.insert(0, TESTS)
+  sys.path.insert(0, ROOT)
+  # pylint: disable=g-import-not-at-top,unused-import
+  import jax
+  import matplotlib.pyplot
+  import tensorboardX
+  import orbax.checkpoint
+  from jaxmp._src import train
+  from test_train import tiny_config
+  # The parent reads the data (TensorFlow) but never initialises JAX.
+  data = train.load_data(tiny_config(spec["data_dir"]))
+  results = []
+  for job in spec["jobs"]:
+    job = dict(job, data_dir=spec["data_dir"])
+    for pattern in job.get("remove", ()):  # A file lost before this job.
+      os.remove(max(glob.glob(pattern, recursive=True), key=os.path.getsize))
+    pid = os.fork()
+    if pid == 0:
+      try:
+        _run_job(job, data)
+      finally:
+        os._exit(70)  # pylint: disable=protected-access
+    _, status, usage = os.wait4(pid, 0)
+    results.append({"exit": os.waitstatus_to_exitcode(status),
+                    "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+                    "checkpoints": listing(job["workdir"])})
+  with open(spec["results"], "w") as f:
+    json.dump(results, f)
+
+
+def distributed_main(spec_path: str, process_id: int) -> None:
+  """One process of a `jax.distributed` run: each job of the spec in turn.
+
+  Every job trains in ``spec["workdir"]`` (so the second one resumes from the
+  first's checkpoint) and prints ``process <i> job <j> fingerprint <hex>``.
+  """
+  with open(spec_path) as f:
+    spec = json.load(f)
+  sys.path.insert(0, TESTS)
+  sys.path.insert(0, ROOT)
+  # pylint: disable=g-import-not-at-top
+  from jaxmp._src import train
+  from test_train import tiny_config
+  for j, overrides in enumerate(spec["jobs"]):
+    config = tiny_config(spec["data_dir"], **overrides,
+                         coordinator_address=spec["coordinator_address"],
+                         num_processes=spec["num_processes"],
+                         process_id=process_id)
+    if j == 0:
+      train.initialize_distributed(config)
+    summary = train.train_and_evaluate(config, spec["workdir"])
+    print(f"process {process_id} job {j} fingerprint "
+          f"{summary['params_fingerprint']}", flush=True)
+
+
+def free_port() -> int:
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def run_distributed(spec: dict, path: str, *, num_processes: int,
+                    local_devices: int, timeout: float = 300) -> list[str]:
+  """Runs `distributed_main` in ``num_processes`` processes; their outputs."""
+  spec = dict(spec, num_processes=num_processes,
+              coordinator_address=f"localhost:{free_port()}")
+  with open(path, "w") as f:
+    json.dump(spec, f)
+  env = dict(
+      os.environ, JAX_PLATFORMS="cpu",
+      XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices} "
+      + FAST_COMPILE)
+  procs = [subprocess.Popen(
+      [sys.executable, __file__, "--distributed", path, str(i)], cwd=ROOT,
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(num_processes)]
+  outputs = []
+  try:
+    deadline = time.time() + timeout
+    for proc in procs:
+      out, _ = proc.communicate(timeout=max(deadline - time.time(), 1))
+      outputs.append(out)
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  for proc, out in zip(procs, outputs):
+    assert proc.returncode == 0, out[-4000:]
+  return outputs
+
+
+if __name__ == "__main__":
+  if sys.argv[1] == "--distributed":
+    distributed_main(sys.argv[2], int(sys.argv[3]))
+  else:
+    main(sys.argv[1])

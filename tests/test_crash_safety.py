@@ -1,0 +1,135 @@
+"""Checkpoints under faults: SIGKILL during saves, lost files, a full disk.
+
+One driver process (see `_helpers.py`) runs a chain of jobs on one workdir,
+each killed (SIGKILL, nothing runs after it) or failed at a different point of
+a checkpoint save; every restart must resume from the newest complete
+checkpoint, remove the leftovers and end with the parameters of an
+uninterrupted run. The chain saves every step (6 steps, keep 2):
+
+  job  fault (at checkpoint)         complete after the job  resumes from
+  1    kill before saving 2          1                        -
+  2    kill while writing 3          1 2 (+ 3 temporary)      1
+  3    kill before renaming 4        2 3 (+ 4 temporary)      2
+  4    disk full writing 5           3 4 (+ 5 temporary)      3
+  5    kill while deleting 3         4 5 (3 half deleted)     4
+  6    a data file of 5 deleted      5 6                      4, set 5 aside
+
+The configuration errors below fail in-process, before any training step.
+"""
+
+import errno
+import glob
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from _helpers import TMP_MARK, read_log, run_driver
+from jaxmp._src import cli
+from jaxmp._src import input_pipeline
+from jaxmp._src import train
+from test_train import tiny_config
+
+STEPS = 6
+CHAIN = [  # (fault, at checkpoint, expected exit code, resumed from)
+    ("kill_before_save", 2, -9, None),
+    ("kill_during_write", 3, -9, 1),
+    ("kill_after_write", 4, -9, 2),
+    ("enospc", 5, 2, 3),
+    ("kill_during_cleanup", 3, -9, 4),
+    ("missing_file", 5, 0, 4),
+]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+def _resumed_from(log: str):
+  found = re.findall(r"Resuming from (\S+) at step (\d+)", log)
+  assert len(found) <= 1, found
+  if not found:
+    return None
+  path, step = found[0]
+  assert os.path.basename(path) == step
+  return int(step)
+
+
+def test_killed_and_failed_saves_resume_exactly(data_dir, tmp_path):
+  config = {"checkpoint_every_steps": 1, "keep_checkpoints": 2,
+            "num_train_steps": STEPS}
+  ref = str(tmp_path / "ref")
+  run = str(tmp_path / "run")
+  jobs = [{"workdir": ref, "config": dict(config, checkpoint_every_steps=0),
+           "log": str(tmp_path / "ref.log")}]
+  for i, (fault, step, _, _) in enumerate(CHAIN, start=1):
+    job = {"workdir": run, "config": config, "fault": fault, "step": step,
+           "cli": fault == "enospc", "log": str(tmp_path / f"{i}-{fault}.log")}
+    if fault == "missing_file":
+      job.update(fault="", remove=[os.path.join(
+          run, "checkpoints", str(step), "state", "ocdbt.process_0", "d", "*")])
+    jobs.append(job)
+  results = run_driver({"data_dir": data_dir, "jobs": jobs},
+                       str(tmp_path / "spec.json"))
+  logs = [read_log(job) for job in jobs]
+  fingerprint = lambda log: re.findall(r"^fingerprint (\w+)$", log, re.M)
+
+  assert results[0]["exit"] == 0, logs[0][-2000:]
+  (reference,) = fingerprint(logs[0])
+  assert sorted(results[0]["checkpoints"]) == ["6"]
+
+  for i, (fault, step, code, resumed) in enumerate(CHAIN, start=1):
+    log, result = logs[i], results[i]
+    what = f"job {i} ({fault or 'no fault'} at {step}):\n{log[-3000:]}"
+    assert result["exit"] == code, what
+    assert _resumed_from(log) == resumed, what
+    listing = result["checkpoints"]
+    # Each start removed the temporary directory that the previous left.
+    if i > 1:
+      for name in results[i - 1]["checkpoints"]:
+        if TMP_MARK in name:
+          assert name not in listing, what
+    complete = sorted(int(n) for n in listing if n.isdigit() and
+                      "commit_success.txt" in listing[n])
+    if fault == "kill_before_save":
+      assert listing == {"1": listing["1"]}, what  # Nothing of 2 exists.
+    elif fault == "kill_during_write":
+      assert "killing during the write of 3" in log
+      assert int(re.search(r"\((\d+) files written\)", log)[1]) > 0, what
+      assert complete == [1, 2], what
+      assert "commit_success.txt" not in listing[f"3{TMP_MARK}"], what
+    elif fault == "kill_after_write":
+      assert "commit_success: True" in log, what
+      assert complete == [2, 3], what
+      assert f"4{TMP_MARK}" in listing, what
+    elif fault == "enospc":
+      errors = [line for line in log.splitlines() if line.startswith("error")]
+      assert errors == [
+          f"error: saving a checkpoint failed: [Errno {errno.ENOSPC}] "
+          f"{os.strerror(errno.ENOSPC)}: "
+          f"'{run}/checkpoints/5{TMP_MARK}/state{TMP_MARK}/_METADATA'; the "
+          f"newest complete checkpoint is {run}/checkpoints/4"], what
+      assert complete == [3, 4], what  # The failed save deleted nothing.
+    elif fault == "kill_during_cleanup":
+      assert f"killing while deleting {run}/checkpoints/3" in log, what
+      assert complete == [3, 4, 5] and "state" not in listing["3"], what
+    else:  # A data file of 5 went missing: one warning line names the
+      # checkpoint and the array; 5 is set aside and made again.
+      (warning,) = [line for line in log.splitlines()
+                    if line.startswith("WARNING: checkpoint")]
+      assert re.fullmatch(
+          rf"WARNING: checkpoint {run}/checkpoints/5 is unusable \(.*"
+          r"leaf_\d{4} = \.\w+.*\); falling back to an older one",
+          warning), what
+      assert f"WARNING: moved 1 unusable checkpoint(s) to {run}/unusable_" in (
+          log), what
+      assert os.listdir(os.path.join(run, "unusable_checkpoints")) == ["5"]
+      assert fingerprint(log) == [reference], what
+      assert complete == [5, 6] and sorted(listing) == ["5", "6"], what
+      with open(os.path.join(run, "summary.json")) as f:
+        assert json.load(f)["params_fingerprint"] == reference
+
+
