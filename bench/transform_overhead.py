@@ -25,6 +25,13 @@ Bytes per param moved by ``update+apply`` (memory-bound, so time follows):
 ``update`` alone also writes the updates (4 B fp32 each) and, for jaxmp fp16,
 reads the fp16 param (2 B) to express the update as ``cast(master) - param``.
 
+Those are the byte counts of a fused update, which XLA:GPU produces. XLA:CPU
+(jax 0.10.2) moves more: it does not fuse sibling outputs, so the selected new
+state and the updates are separate loops that each re-read the gradients and
+the old state, and it copies donated momentum and master buffers that are
+read after being overwritten (see the optimised HLO:
+``jax.jit(opt.update, donate_argnums=1).lower(...).compile().as_text()``).
+
 The last line is the worse ``update`` ratio: ``update_time_ratio: X``.
 """
 
