@@ -42,6 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data_dir = ""  # tfds data_dir ("" = tfds default); image_folder root.
   config.mean = (0.4914, 0.4822, 0.4465)
   config.std = (0.2470, 0.2435, 0.2616)
+  config.augment = True  # Random crop (pad 4) + horizontal flip.
   config.data_on_device = False
   config.synthetic_train_examples = 10_000
   config.synthetic_test_examples = 2_000

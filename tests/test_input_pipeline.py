@@ -193,6 +193,16 @@ def test_train_stream_shapes_order_and_normalisation():
       assert is_valid_crop(unnormalize(image), images[label])
 
 
+def test_train_stream_without_augmentation_is_the_plain_images():
+  images, labels = random_data()
+  config = make_config()
+  config.augment = False
+  batches = collect(config, images, labels, epoch=0)
+  for b in batches[:2]:
+    for image, label in zip(b["image"], b["label"]):
+      np.testing.assert_array_equal(unnormalize(image), images[label])
+
+
 def test_train_stream_deterministic_per_seed_and_epoch():
   images, labels = random_data()
   config = make_config()

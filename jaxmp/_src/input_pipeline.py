@@ -336,6 +336,7 @@ def train_batches(
     batch.
   """
   global_batch = config.batch_size
+  augment = config.get("augment", True)
   if global_batch % process_count:
     raise ValueError(
         f"batch_size {global_batch} is not divisible by {process_count} "
@@ -368,6 +369,8 @@ def train_batches(
     # Crops and flips are drawn for the whole global batch and sliced, so an
     # example's augmentation does not depend on `process_count`.
     offsets, flip = _tf_augment_params(seed, global_batch)
+    if not augment:  # The centre crop of the padded image is the image.
+      offsets, flip = tf.fill(tf.shape(offsets), PAD), tf.zeros_like(flip)
     image = _tf_augment_normalize(
         gather_images(idx),
         offsets[lo:lo + local_batch],

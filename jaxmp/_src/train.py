@@ -244,7 +244,9 @@ def make_device_train_step(config: ml_collections.ConfigDict,
     idx = jax.lax.dynamic_slice_in_dim(perm, batch_index * batch, batch)
     idx = jax.lax.with_sharding_constraint(idx, batch_sharding)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    x = input_pipeline.device_augment(images_u8[idx], key)
+    x = images_u8[idx]
+    if config.get("augment", True):
+      x = input_pipeline.device_augment(x, key)
     x = input_pipeline.normalize(x, config.mean, config.std, jnp.float32)
     return inner(state, x, labels[idx], metrics)
 
