@@ -174,7 +174,7 @@ def test_truncated_checkpoint_falls_back(data_dir, tmp_path, capsys):
   template = train.create_train_state(
       config, train.create_model(config, 10),
       train.create_optimizer(config, lambda _: 0.1), (32, 32, 3))
-  state, path = checkpoint.restore_latest(manager, template, workdir)
+  state, path = checkpoint.restore_latest(manager, template)
   assert path.endswith(os.path.join("checkpoints", "2"))
   assert int(state.step) == 2
   assert "checkpoints/4 is unusable" in capsys.readouterr().out
@@ -183,7 +183,7 @@ def test_truncated_checkpoint_falls_back(data_dir, tmp_path, capsys):
   shutil.rmtree(os.path.join(workdir, "checkpoints", "2"))
   manager = checkpoint.create_manager(workdir, config)
   with pytest.raises(checkpoint.CheckpointError, match="checkpoints/4"):
-    checkpoint.restore_latest(manager, template, workdir)
+    checkpoint.restore_latest(manager, template)
 
 
 def test_checkpoint_shape_mismatch_names_the_leaf(data_dir, tmp_path):

@@ -187,8 +187,8 @@ def _set_aside(manager: ocp.CheckpointManager, paths: list[str]) -> None:
   manager.reload()
 
 
-def restore_latest(manager: ocp.CheckpointManager, template,
-                   workdir: str) -> tuple[Any, Optional[str]]:
+def restore_latest(manager: ocp.CheckpointManager,
+                   template) -> tuple[Any, Optional[str]]:
   """Restores the newest usable checkpoint into ``template``'s structure.
 
   Returns:
@@ -198,7 +198,6 @@ def restore_latest(manager: ocp.CheckpointManager, template,
     CheckpointError: shapes do not match the config (naming the leaf), or no
       checkpoint is usable (naming the paths tried).
   """
-  del workdir
   steps = sorted(manager.all_steps(), reverse=True)
   if not steps:
     return template, None

@@ -215,11 +215,8 @@ def _is_half(x) -> bool:
 
 
 def _find_multisteps(tree) -> bool:
-  found = []
   is_ms = lambda x: isinstance(x, optax.MultiStepsState)
-  for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_ms):
-    found.append(is_ms(leaf))
-  return any(found)
+  return any(map(is_ms, jax.tree_util.tree_leaves(tree, is_leaf=is_ms)))
 
 
 def mixed_precision(

@@ -66,7 +66,8 @@ class Reporter:
   def progress(self, step: int) -> None:
     if self._bar is not None:
       self._bar.n = step
-      self._bar.refresh() if step % 10 == 0 else None
+      if step % 10 == 0:
+        self._bar.refresh()
 
   def log_step(self, step: int, stats: dict) -> None:
     if not self.is_main:

@@ -425,7 +425,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   state = create_train_state(config, model, optimizer,
                              data.train_images.shape[1:])
   manager = ckpt_lib.create_manager(workdir, config)
-  state, resumed = ckpt_lib.restore_latest(manager, state, workdir)
+  state, resumed = ckpt_lib.restore_latest(manager, state)
   if jax.process_count() > 1:
     # Placing a committed one-device array on other processes' devices is a
     # cross-host transfer, which CPU and GPU backends lack; every process
