@@ -1,7 +1,7 @@
 """fp32 ResNet18 train step on CPU: JAX/XLA against PyTorch, same machine.
 
 Run: ``pip install -e .[bench]`` (torch 2.13.0), then
-``python bench/cpu_vs_torch.py``  (about 12 minutes on 2 quiet cores).
+``python bench/cpu_vs_torch.py``  (about 16 minutes on 2 cores).
 ``BENCH_QUICK=1`` skips the full-size (64 filters, batch 128) rows.
 
 The step: the CIFAR ResNet18 (``jaxmp._src.resnet.resnet18``; the same
@@ -12,35 +12,37 @@ the cores (2 here, XLA's default too). Each row is one fresh process (XLA
 flags are read once per process) that times the JAX and the torch step
 alternately (AB BA ...), warm-up excluded; the ratio is the median of the
 per-repetition ratios, which cancels the load drift of a shared machine.
-Exploration rows use 32 filters at batch 32 (the sweep), then the best
-setting and the default are measured at 64 filters, batch 128.
+Exploration rows use 32 filters at batch 32 (the sweep), then XLA's own
+kernel gradients, the default and the sweep's best setting are measured at
+64 filters, batch 128.
 
-What was tried (jaxlib 0.10.2, torch 2.13.0+cpu with oneDNN, AMD EPYC with
-AVX2, 2 cores shared with other jobs). First run, 2025-12-02: the sweep rows
-up to "use_onednn" were contaminated by a concurrent CPU job (torch's
-times went up 10x: two OpenMP threads spin-wait when a core is taken away,
-XLA's thread pool degrades gracefully), so only these are trustworthy yet:
+Why JAX was slower, and what closed it (jaxlib 0.10.2, torch 2.13.0+cpu with
+oneDNN, AMD EPYC with AVX2, 2 shared cores, 2026-12-02):
 
-* default, full size (64 filters, batch 128): JAX 31.6 s, torch 8.8 s a step,
-  3.60x. At 32 filters/batch 32 (quiet rows): JAX ~1.3-1.5 s, torch ~0.43-0.49 s
-  (~3.1x); torch at 1 thread 0.76 s (so torch scales 1.8x on 2 cores).
-* ``--xla_cpu_use_xnnpack=true``: 3.18x, no gain over the default.
-* ``--xla_cpu_use_thunk_runtime=false``: deprecated in this jaxlib (warns,
-  ignored).
-* torch ``channels_last``: no change for torch on this CPU (3.14x).
-* Not yet measured cleanly: ynn/onednn convolution fusion, ``use_onednn``
-  (both ran: no crash; JAX 1.9 s and 1.5 s, not faster than the default),
-  fast math, single-threaded Eigen, ``fused_norm=False``, ``highest``
-  precision, forward-only. Rerun on a quiet machine to fill them in.
+* Timing each convolution of one layer apart (``bench/conv_grads.py``) put
+  the gap in one op: XLA:CPU computes a conv's kernel gradient as a spatial
+  convolution whose window is the whole feature map, 16-19x slower than
+  oneDNN at the first stage (32x32x64, batch 128: ~3.5-4 s against ~0.2 s)
+  and 5-9x at the second; forward and input gradient are within 1.6x.
+* jaxmp's ResNet now computes that gradient as one matrix product per
+  kernel tap on CPU (``jaxmp._src.conv``, ``ResNet.tap_kernel_grads``,
+  default on; the forward and the input gradient stay XLA's): 4.22x -> 1.33x
+  at full size in this script's run (table below; the row "XLA's conv
+  kernel gradients" is the old model).
+* No XLA flag closes it by itself: in the sweep (32 filters, batch 32, the
+  taps on) every flag row lands within the run's noise of the default (1.27
+  to 1.53; the same setting moves by +-0.1 between runs on this shared
+  machine): oneDNN/YNNPACK/XNNPACK convolution fusion, fast math,
+  single-threaded Eigen, thunk runtime off (deprecated, ignored), highest
+  precision. ``fused_norm=False`` and torch ``channels_last`` are no
+  better either. The "best" row picked for the full-size run is the
+  sweep's minimum, so partly chance: read the default row.
+* Left: forward and input-gradient convolutions (1.1-1.6x oneDNN's) and the
+  first two stages' taps (1.2-1.9x oneDNN's, each tap copies a strided
+  window of the padded input).
 
-Where the gap probably is (not yet confirmed by a profile): XLA:CPU runs the
-input- and kernel-gradient convolutions of the backward pass as generic Eigen
-spatial convolutions (a kernel-gradient conv has the whole feature map as its
-"kernel"), where torch calls oneDNN's backward-data/backward-weights
-primitives. Layout: flax convs are NHWC and XLA:CPU's Eigen convolutions are
-feature-last, so an NCHW JAX model would only add transposes (not tried).
 Run nothing else on the machine while this runs: CPU contention hurts torch
-far more than XLA and makes the ratios meaningless.
+(OpenMP threads spin-wait) far more than XLA and makes the ratios noisy.
 
 The last line is ``jax_over_torch_step_time: X`` at full size (64 filters,
 batch 128; the sweep size with ``BENCH_QUICK=1``) with the best XLA setting
@@ -62,6 +64,7 @@ _ONEDNN_CONV = ("--xla_cpu_experimental_onednn_fusion_type="
 # name -> (XLA_FLAGS, worker options).
 SWEEP = (
     ("default", "", {}),
+    ("XLA's conv kernel gradients", "", {"tap_kernel_grads": False}),
     ("forward only (eval, no grad)", "", {"unit": "forward"}),
     ("fused_norm=False", "", {"fused_norm": False}),
     ("precision highest", "", {"precision": "highest"}),
@@ -101,7 +104,8 @@ def worker(opts: dict) -> dict:
 
   # JAX.
   model = resnet.resnet18(num_classes=10, num_filters=filters,
-                          fused_norm=opts.get("fused_norm", True))
+                          fused_norm=opts.get("fused_norm", True),
+                          tap_kernel_grads=opts.get("tap_kernel_grads", True))
   images, labels = jnp.asarray(x), jnp.asarray(y, jnp.int32)
   variables = jax.jit(lambda k: model.init(k, images[:1], train=False))(
       jax.random.key(0))
@@ -241,7 +245,8 @@ def main():
   headline = results[best[0]]["ratio"]
   if not quick:
     full_reps = int(os.environ.get("BENCH_FULL_REPS", "3"))
-    rows = [("default", "", {})]
+    rows = [("XLA's conv kernel gradients", "", {"tap_kernel_grads": False}),
+            ("default", "", {})]
     if best[0] != "default":
       rows.append((best[0], best[1], best[2]))
     for name, flags, extra in rows:

@@ -15,26 +15,50 @@ Cases: fp32 params (both optimizers see fp32 params and grads), and O2 fp16
 params (conv/dense fp16, BatchNorm fp32) with fp32 masters in the state,
 against plain SGD on the same params in fp32, the work fp32 training does.
 
-Bytes per param moved by ``update+apply`` (memory-bound, so time follows):
-* plain SGD, fp32: read grad 4 + momentum 4 + param 4, write momentum 4 +
-  param 4 = 20 B.
-* jaxmp fp32: the same 20 B plus one read of the grad for the global finite
-  check (4 B) = 24 B; the skip selects fuse into the update loop.
-* jaxmp O2 fp16: read grad 2 (twice: finite check and update) + momentum 4 +
-  master 4 + param 2, write momentum 4 + master 4 + param 2 = 24 B.
-``update`` alone also writes the updates (4 B fp32 each) and, for jaxmp fp16,
-reads the fp16 param (2 B) to express the update as ``cast(master) - param``.
+Both jits donate the optimizer state (and ``update+apply`` the params), with
+the outputs in the order of the donated inputs: jax hands each donated
+buffer to the first output of the same shape and dtype, and with the updates
+first they would take the state's buffers, costing both sides copies that a
+real train step (which returns params and state) does not make.
 
-Those are the byte counts of a fused update, which XLA:GPU produces. XLA:CPU
-(jax 0.10.2) moves more: it does not fuse sibling outputs, so the selected new
-state and the updates are separate loops that each re-read the gradients and
-the old state, and it copies donated momentum and master buffers that are
-read after being overwritten (see the optimised HLO:
-``jax.jit(opt.update, donate_argnums=1).lower(...).compile().as_text()``).
+Bytes per param, counting each array read or written once (what a backend
+that fuses every loop over the params into one, as XLA:GPU does, moves;
+memory-bound, so time follows):
+
+==============  ==========  ==================  ==================  =======
+unit            plain SGD   jaxmp fp32          jaxmp O2 fp16       floor
+==============  ==========  ==================  ==================  =======
+update          16          16 + 4 (check)      26                  1.25 / 1.63
+update+apply    20          20 + 4 (check)      24                  1.20 / 1.20
+==============  ==========  ==================  ==================  =======
+
+plain SGD ``update``: read grad 4 + momentum 4, write momentum 4 + update 4.
+jaxmp reads the gradients once more, for the global finite check, before it
+may write anything: the step is skipped or applied as a whole. O2 fp16
+``update``: check 2, read grad 2 + momentum 4 + master 4 + fp16 param 2,
+write momentum 4 + master 4 + fp32 update 4. O2 ``update+apply`` writes the
+fp16 param (2) instead of the update. So no implementation of a skip-on-
+overflow step reaches 1.10 here: 1.20 to 1.63 is the floor on any backend;
+the overhead disappears only where the check fuses into the kernels that
+produce the gradients, as in a whole train step (``bench/step_overhead.py``).
+
+XLA:CPU (jax 0.10.2) moves more than the table: it fuses no sibling loops,
+so the kept and the skipped results are separate loops that each re-read the
+gradients and the old state, and it copies each donated state buffer that a
+later loop overwrites in place (``jax.jit(...).lower(...).compile()
+.as_text()`` shows the ``copy`` ops). Tried: a ``lax.cond`` that runs the
+bare optimizer only on finite steps reaches the floor for ``update`` alone
+(1.20 fp32) but makes the whole train step 2-9% slower
+(``bench/step_overhead.py``: 1.02-1.09 against 0.92-0.97 with selects), so
+the selects stay. The ``no-skip`` columns trace jaxmp with the finite flag
+fixed to True (no check, no skip; XLA folds the selects away): the fp32 rows
+then run at about the bare optimizer's time, so the rest of the fp32 ratio is
+the cost of being able to skip a step.
 
 The last line is the worse ``update`` ratio: ``update_time_ratio: X``.
 """
 
+import contextlib
 import os
 import statistics
 import sys
@@ -48,6 +72,7 @@ import optax
 sys.path.insert(0, os.path.dirname(__file__))
 import _shapes  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jaxmp  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxmp._src import mixed_precision  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 REPS = int(os.environ.get("BENCH_REPS", "15"))
 
@@ -71,15 +96,19 @@ def timed(fn, args):
 def runner(opt, params, grads, unit):
   state = opt.init(params)
   if unit == "update":
-    step = jax.jit(lambda g, s, p: opt.update(g, s, p), donate_argnums=(1,))
+    # State first in the outputs: jax hands each donated buffer to the first
+    # output of the same shape and dtype, so the updates would otherwise take
+    # the old state's buffers and XLA would copy the state to keep it alive.
+    step = jax.jit(lambda g, s, p: opt.update(g, s, p)[::-1],
+                   donate_argnums=(1,))
 
     def run(st):
       t = time.perf_counter()
-      upd, st = step(grads, st, params)
+      st, upd = step(grads, st, params)
       jax.block_until_ready((upd, st))
       return time.perf_counter() - t, st
   else:
-    def both(g, s, p):
+    def both(g, p, s):  # Donated in the order they are returned.
       upd, s = opt.update(g, s, p)
       return optax.apply_updates(p, upd), s
     step = jax.jit(both, donate_argnums=(1, 2))
@@ -87,33 +116,49 @@ def runner(opt, params, grads, unit):
 
     def run(st):
       t = time.perf_counter()
-      holder["p"], st = step(grads, st, holder["p"])
+      holder["p"], st = step(grads, holder["p"], st)
       jax.block_until_ready((holder["p"], st))
       return time.perf_counter() - t, st
   return run, state
 
 
 def compare(unit, half):
+  """Median seconds of (plain SGD, jaxmp, jaxmp with the flag fixed)."""
   params = make_tree(half)
   params32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
   scale = 2.0**10
   grads = jax.tree.map(lambda p: (p * scale).astype(p.dtype), params)
   grads32 = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
-  base_run, base_state = runner(optax.sgd(0.1, momentum=0.9), params32,
-                                grads32, unit)
-  mp = jaxmp.mixed_precision(optax.sgd(0.1, momentum=0.9),
-                              loss_scale=scale)
-  mp_run, mp_state = runner(mp, params, grads, unit)
+  runs = [list(runner(optax.sgd(0.1, momentum=0.9), params32, grads32,
+                      unit))]
+  for fixed in (False, True):
+    mp = jaxmp.mixed_precision(optax.sgd(0.1, momentum=0.9),
+                                loss_scale=scale)
+    run = list(runner(mp, params, grads, unit))
+    if fixed:  # Traced now, with every step declared finite: no check, no
+      # skip; XLA folds the selects away. What the skip machinery costs.
+      with _finite_flag_fixed():
+        _, run[1] = run[0](run[1])
+    runs.append(run)
   for _ in range(3):  # Warm-up: compile and touch memory.
-    _, base_state = base_run(base_state)
-    _, mp_state = mp_run(mp_state)
-  tb, tm = [], []
+    for run in runs:
+      _, run[1] = run[0](run[1])
+  times = [[] for _ in runs]
   for _ in range(REPS):
-    dt, base_state = base_run(base_state)
-    tb.append(dt)
-    dt, mp_state = mp_run(mp_state)
-    tm.append(dt)
-  return statistics.median(tb), statistics.median(tm)
+    for run, t in zip(runs, times):
+      dt, run[1] = run[0](run[1])
+      t.append(dt)
+  return tuple(statistics.median(t) for t in times)
+
+
+@contextlib.contextmanager
+def _finite_flag_fixed():
+  original = mixed_precision.all_finite
+  mixed_precision.all_finite = lambda tree: jnp.array(True)
+  try:
+    yield
+  finally:
+    mixed_precision.all_finite = original
 
 
 def main():
@@ -121,15 +166,16 @@ def main():
         f"{_shapes.num_params(_shapes.resnet18_param_shapes()):,} params, "
         f"{REPS} interleaved reps, median")
   print(f"{'unit':<14}{'params':<10}{'optax ms':>10}{'jaxmp ms':>10}"
-        f"{'ratio':>8}")
+        f"{'ratio':>8}{'no-skip ms':>12}{'ratio':>8}")
   worst = {}
   for unit in ("update", "update+apply"):
     for half in (False, True):
-      base, mine = compare(unit, half)
+      base, mine, fixed = compare(unit, half)
       ratio = mine / base
       worst[unit] = max(worst.get(unit, 0.0), ratio)
       print(f"{unit:<14}{'fp16 O2' if half else 'fp32':<10}"
-            f"{base * 1e3:>10.2f}{mine * 1e3:>10.2f}{ratio:>8.3f}")
+            f"{base * 1e3:>10.2f}{mine * 1e3:>10.2f}{ratio:>8.3f}"
+            f"{fixed * 1e3:>12.2f}{fixed / base:>8.3f}", flush=True)
   print(f"update_apply_time_ratio: {worst['update+apply']:.3f}")
   print(f"update_time_ratio: {worst['update']:.3f}")
 

@@ -193,21 +193,41 @@ def adjust_loss_scale(config: LossScaleConfig, loss_scale: jax.Array,
 def all_finite(tree: Any) -> jax.Array:
   """Returns a bool scalar: whether every element of every leaf is finite.
 
-  ``sum(x * 0)`` is 0 when all of ``x`` is finite and NaN otherwise (inf * 0
-  is NaN), and it never overflows: one vectorised multiply-add pass per fp32
-  leaf, about 2.5x faster on CPU than reducing ``isfinite`` masks. Half leaves
-  reduce ``isfinite`` masks: XLA widens half arithmetic to fp32 and would
-  write the widened product to memory first.
+  Exact on every platform. Half-precision leaves reduce ``isfinite`` masks.
+  fp32 and wider leaves reduce ``sum(x * 2**-64)``: NaN or inf anywhere makes
+  it non-finite, and finite inputs cannot overflow it (their scaled magnitudes
+  sum to at most ``size * 2**64``). A NaN-dropping ``max(abs(x))`` is not
+  used: XLA:CPU's vectorised max reduction loses NaNs.
+
+  On CPU the fp32 leaves take a cheaper path: XLA:CPU reads a plain
+  ``sum(x)`` in one vectorised pass but writes ``x * c`` to memory before
+  reducing it (about 1.7x slower over a ResNet18-sized tree). A plain sum is
+  never finite when an element is not, but finite elements can overflow it,
+  so when that fast test fails a `lax.cond` confirms with the exact one; the
+  exact pass runs only on steps that look like overflows. Elsewhere the
+  exact check fuses into one pass and a conditional would cost a host sync.
   """
   leaves = jax.tree_util.tree_leaves(tree)
-  if not leaves:
-    return jnp.array(True)
-  flags = [jnp.all(jnp.isfinite(x)) for x in leaves if _is_half(x)]
+  half = [x for x in leaves if _is_half(x)]
   full = [x for x in leaves if not _is_half(x)]
+  flags = [jnp.all(jnp.isfinite(x)) for x in half]
   if full:
-    total = sum(jnp.sum(x * jnp.zeros([], x.dtype)) for x in full)
-    flags.append(jnp.isfinite(total))
+    flags.append(jax.lax.platform_dependent(
+        full, cpu=_full_finite_cpu, default=_full_finite_exact))
+  if not flags:
+    return jnp.array(True)
   return jnp.all(jnp.stack(flags))
+
+
+def _full_finite_exact(leaves) -> jax.Array:
+  total = sum(jnp.sum(x * jnp.asarray(2.0**-64, x.dtype)) for x in leaves)
+  return jnp.isfinite(total)
+
+
+def _full_finite_cpu(leaves) -> jax.Array:
+  fast = jnp.isfinite(sum(jnp.sum(x) for x in leaves))
+  return jax.lax.cond(fast, lambda _: jnp.array(True), _full_finite_exact,
+                      leaves)
 
 
 def _is_half(x) -> bool:
