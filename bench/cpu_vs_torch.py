@@ -93,6 +93,7 @@ def worker(opts: dict) -> dict:
 
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import _torch_resnet  # pylint: disable=g-import-not-at-top
+  import step_overhead  # pylint: disable=g-import-not-at-top
   from jaxmp._src import resnet  # pylint: disable=g-import-not-at-top
 
   filters, batch, reps = opts["filters"], opts["batch"], opts["reps"]
@@ -111,32 +112,19 @@ def worker(opts: dict) -> dict:
       jax.random.key(0))
   opt = optax.sgd(0.1, momentum=0.9)
 
-  def step(state, images, labels):
-    def loss_fn(params):
-      logits, new_vars = model.apply(
-          {"params": params, "batch_stats": state["batch_stats"]}, images,
-          train=True, mutable=["batch_stats"])
-      loss = optax.softmax_cross_entropy_with_integer_labels(
-          logits, labels).mean()
-      return loss, new_vars["batch_stats"]
-    grads, stats = jax.grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt_state = opt.update(grads, state["opt"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates),
-            "batch_stats": stats, "opt": opt_state}
-
   precision = opts.get("precision")
   with jax.default_matmul_precision(precision) if precision else _null():
     if unit == "forward":
       fwd = jax.jit(lambda v, im: model.apply(v, im, train=False))
       jax_fn = lambda: jax.block_until_ready(fwd(variables, images))
     else:
-      jstep = jax.jit(step, donate_argnums=(0,))
+      jstep = step_overhead.make_step(model, opt, scaled=False)
       holder = {"s": {"params": variables["params"],
                       "batch_stats": variables["batch_stats"],
                       "opt": opt.init(variables["params"])}}
 
       def jax_fn():
-        holder["s"] = jstep(holder["s"], images, labels)
+        holder["s"], _ = jstep(holder["s"], images, labels)
         jax.block_until_ready(holder["s"])
 
     # PyTorch.

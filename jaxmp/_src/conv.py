@@ -39,7 +39,7 @@ def conv_general_dilated(lhs, rhs, window_strides, padding,
   """``lax.conv_general_dilated`` with a matmul kernel gradient on CPU."""
   covered = (
       lhs.ndim == 4
-      and _is_nhwc(dimension_numbers)
+      and _is_nhwc(lhs, rhs, dimension_numbers)
       and not isinstance(padding, str)
       and all(d == 1 for d in (lhs_dilation or (1, 1)))
       and all(d == 1 for d in (rhs_dilation or (1, 1)))
@@ -57,13 +57,11 @@ def conv_general_dilated(lhs, rhs, window_strides, padding,
                precision)
 
 
-def _is_nhwc(dimension_numbers) -> bool:
+def _is_nhwc(lhs, rhs, dimension_numbers) -> bool:
   if dimension_numbers is None:
     return False
-  if isinstance(dimension_numbers, lax.ConvDimensionNumbers):
-    return dimension_numbers == lax.conv_dimension_numbers(
-        (1, 1, 1, 1), (1, 1, 1, 1), _NHWC)
-  return tuple(dimension_numbers) == _NHWC
+  as_numbers = lambda dn: lax.conv_dimension_numbers(lhs.shape, rhs.shape, dn)
+  return as_numbers(dimension_numbers) == as_numbers(_NHWC)
 
 
 def _lax_conv(lhs, rhs, strides, padding, precision):
