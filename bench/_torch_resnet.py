@@ -1,4 +1,4 @@
-"""The CIFAR ResNet18 of ``jaxmp._src.resnet.resnet18``, written in PyTorch.
+"""The CIFAR ResNet18 of ``jaxmp.models.resnet18``, written in PyTorch.
 
 Used by ``bench/cpu_vs_torch.py`` and ``bench/gpu_bench.py`` to time PyTorch
 on the same network: 3x3 stride-1 stem conv, BatchNorm, ReLU, no max-pool;

@@ -36,7 +36,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxmp._src import resnet  # pylint: disable=g-import-not-at-top
+from jaxmp.models import resnet18  # pylint: disable=g-import-not-at-top
 
 BATCH = 128
 IMAGE_SHAPE = (32, 32, 3)
@@ -160,11 +160,11 @@ def main() -> None:
   variants = {
       'plain flax fp32 (reference)': PlainResNet18(dtype=f32),
       'plain flax dtype=fp16': PlainResNet18(dtype=f16),
-      'jaxmp O0 (fp32)': resnet.resnet18(),
-      'jaxmp O1 (fp32 params, fp16)': resnet.resnet18(dtype=f16),
-      'jaxmp O2 (fp16 params, fp16)': resnet.resnet18(
+      'jaxmp O0 (fp32)': resnet18(),
+      'jaxmp O1 (fp32 params, fp16)': resnet18(dtype=f16),
+      'jaxmp O2 (fp16 params, fp16)': resnet18(
           dtype=f16, param_dtype=f16, norm_dtype=f32),
-      'jaxmp bf16 (fp32 params)': resnet.resnet18(dtype=bf16),
+      'jaxmp bf16 (fp32 params)': resnet18(dtype=bf16),
   }
   results = {k: step_residual_bytes(m) for k, m in variants.items()}
   ref_act, ref_arg = results['plain flax fp32 (reference)']

@@ -10,8 +10,8 @@ one place: XLA:CPU computes a kernel gradient as a spatial convolution whose
 window is the whole feature map, 16-19x slower than oneDNN's at the first
 stage, while forward and input gradient are within 1.6x. jaxmp's ResNet
 computes it instead as one matrix product per kernel tap
-(``jaxmp._src.conv.kernel_grad_by_taps``, used on CPU when
-``ResNet.tap_kernel_grads`` is on, the default).
+(``jaxmp.nn.conv_general_dilated``, whose kernel gradient takes that path
+on CPU; used when ``ResNet.tap_kernel_grads`` is on, the default).
 
 For the 3x3 stride-1 convolution of each ResNet18 stage at batch 128 (CIFAR
 sizes: 32x32x64, 16x16x128, 8x8x256, 4x4x512), fp32, JAX jitted, torch with
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxmp._src import conv
+from jaxmp import nn as jaxmp_nn
 
 REPS = int(os.environ.get("BENCH_REPS", "5"))
 BATCH = int(os.environ.get("BENCH_BATCH", "128"))
@@ -65,8 +65,13 @@ def stage(size: int, channels: int) -> dict:
     return jax.vjp(f, jw)[1](dy)[0]
 
   xla = jax.jit(xla_grad)
-  taps = jax.jit(lambda x, dy: conv.kernel_grad_by_taps(
-      x, dy, jw.shape, (1, 1), _PAD))
+  def taps_grad(x, dy):
+    def f(w):
+      return jaxmp_nn.conv_general_dilated(x, w, (1, 1), _PAD,
+                                           dimension_numbers=_DN)
+    return jax.vjp(f, jw)[1](dy)[0]
+
+  taps = jax.jit(taps_grad)
   want = np.asarray(xla(jx, jdy))
   np.testing.assert_allclose(np.asarray(taps(jx, jdy)), want, rtol=1e-3,
                              atol=1e-3 * np.abs(want).max())

@@ -4,7 +4,7 @@ Run: ``pip install -e .[bench]`` (torch 2.13.0), then
 ``python bench/cpu_vs_torch.py``  (about 16 minutes on 2 cores).
 ``BENCH_QUICK=1`` skips the full-size (64 filters, batch 128) rows.
 
-The step: the CIFAR ResNet18 (``jaxmp._src.resnet.resnet18``; the same
+The step: the CIFAR ResNet18 (``jaxmp.models.resnet18``; the same
 network by hand in ``bench/_torch_resnet.py``), 10 classes, BatchNorm in train
 mode, softmax cross-entropy, SGD momentum 0.9, fp32. JAX jits the whole step
 with the state donated; PyTorch runs eagerly with ``torch.set_num_threads`` =
@@ -25,7 +25,7 @@ oneDNN, AMD EPYC with AVX2, 2 shared cores, 2026-12-02):
   oneDNN at the first stage (32x32x64, batch 128: ~3.5-4 s against ~0.2 s)
   and 5-9x at the second; forward and input gradient are within 1.6x.
 * jaxmp's ResNet now computes that gradient as one matrix product per
-  kernel tap on CPU (``jaxmp._src.conv``, ``ResNet.tap_kernel_grads``,
+  kernel tap on CPU (``jaxmp.nn.conv_general_dilated``, ``ResNet.tap_kernel_grads``,
   default on; the forward and the input gradient stay XLA's): 4.22x -> 1.33x
   at full size in this script's run (table below; the row "XLA's conv
   kernel gradients" is the old model).
@@ -94,7 +94,7 @@ def worker(opts: dict) -> dict:
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import _torch_resnet  # pylint: disable=g-import-not-at-top
   import step_overhead  # pylint: disable=g-import-not-at-top
-  from jaxmp._src import resnet  # pylint: disable=g-import-not-at-top
+  from jaxmp.models import resnet18  # pylint: disable=g-import-not-at-top
 
   filters, batch, reps = opts["filters"], opts["batch"], opts["reps"]
   unit = opts.get("unit", "step")
@@ -104,7 +104,7 @@ def worker(opts: dict) -> dict:
   y = rng.integers(0, 10, batch)
 
   # JAX.
-  model = resnet.resnet18(num_classes=10, num_filters=filters,
+  model = resnet18(num_classes=10, num_filters=filters,
                           fused_norm=opts.get("fused_norm", True),
                           tap_kernel_grads=opts.get("tap_kernel_grads", True))
   images, labels = jnp.asarray(x), jnp.asarray(y, jnp.int32)

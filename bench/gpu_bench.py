@@ -56,7 +56,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxmp  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jaxmp._src import resnet  # pylint: disable=g-import-not-at-top
+from jaxmp.models import resnet18  # pylint: disable=g-import-not-at-top
 
 try:
   import torch  # pylint: disable=g-import-not-at-top
@@ -114,7 +114,7 @@ def jax_maker(preset_name: str, precision: str, filters: int):
   policy = preset.policy
 
   def make(batch):
-    model = resnet.resnet18(
+    model = resnet18(
         num_classes=10, num_filters=filters, dtype=policy.compute_dtype,
         param_dtype=policy.param_dtype,
         norm_dtype=jnp.float32 if preset.keep_batchnorm_fp32 else

@@ -6,7 +6,7 @@ Run:
 
 Measures images per second of
 
-* `tfdata`: `input_pipeline.train_batches` from uint8 arrays in host memory
+* `tfdata`: `cifar_train.host_stream.train_batches` from uint8 arrays in host memory
   (gather, pad-4 crop, flip, normalise, batch), consumed as numpy;
 * `device`: jitted `device_augment` + `normalize` on JAX's default device
   (the CPU here; on a GPU this is the airbench-style resident-data path).
@@ -17,30 +17,32 @@ tf.data may use every core, so its rate is also given per core
 
 import argparse
 import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
-from jaxmp._src import input_pipeline as ip
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cifar_train import device_data  # pylint: disable=g-import-not-at-top,wrong-import-position
+from cifar_train import host_stream  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
 
 
 def bench_tfdata(images, labels, batch: int, epochs: int) -> float:
-  config = ml_collections.ConfigDict(
-      dict(seed=0, batch_size=batch, mean=MEAN, std=STD))
+  stream = dict(seed=0, batch_size=batch, mean=MEAN, std=STD, augment=True)
   # Warm up: trace the map function and fill the prefetch buffer.
-  it = ip.train_batches(config, images, labels, epoch=0)
+  it = host_stream.train_batches(images, labels, epoch=0, **stream)
   for _ in range(5):
     next(it)
   del it
   count, start = 0, time.perf_counter()
   for epoch in range(1, epochs + 1):
-    for b in ip.train_batches(config, images, labels, epoch=epoch):
+    for b in host_stream.train_batches(images, labels, epoch=epoch,
+                                           **stream):
       count += len(b["label"])
   return count / (time.perf_counter() - start)
 
@@ -48,7 +50,8 @@ def bench_tfdata(images, labels, batch: int, epochs: int) -> float:
 def bench_device(images, batch: int, steps: int) -> float:
   @jax.jit
   def step(x, key):
-    return ip.normalize(ip.device_augment(x, key), MEAN, STD, jnp.float32)
+    return device_data.normalize(device_data.device_augment(x, key), MEAN, STD,
+                                 jnp.float32)
 
   data = jax.device_put(images)
   n = len(images) // batch

@@ -4,7 +4,7 @@ Run: ``python bench/step_overhead.py``  (about 1 minute on 2 cores)
 Full size: ``BENCH_FULL=1 python bench/step_overhead.py`` (64 filters, batch
 128; about 12 s a step on 2 cores, so several minutes).
 
-Two jitted train steps of the CIFAR ResNet18 (``jaxmp._src.resnet.resnet18``,
+Two jitted train steps of the CIFAR ResNet18 (``jaxmp.models.resnet18``,
 10 classes, BatchNorm in train mode, policy O0: fp32 params and compute), the
 same model, init and batch:
 
@@ -13,7 +13,7 @@ same model, init and batch:
 * ``jaxmp``: ``jaxmp.mixed_precision(inner,
   loss_scale=jmp.DynamicLossScale(2**15))``; the loss goes through
   ``jaxmp.scale_loss`` and the BatchNorm statistics through
-  ``jaxmp.rollback_if_skipped``, as ``jaxmp._src.train.make_train_step`` does.
+  ``jaxmp.rollback_if_skipped``, as ``cifar_train.steps.make_train_step`` does.
 
 Both steps donate their state. Each repetition runs both steps back to
 back, alternating which goes first (AB BA ...), after two warm-up calls each
@@ -46,7 +46,7 @@ import numpy as np
 import optax
 
 import jaxmp
-from jaxmp._src import resnet
+from jaxmp.models import resnet18
 
 FULL = os.environ.get("BENCH_FULL", "0") == "1"
 FILTERS = int(os.environ.get("BENCH_FILTERS", "64" if FULL else "16"))
@@ -88,7 +88,7 @@ def make_step(model, optimizer, scaled: bool):
 
 
 def main():
-  model = resnet.resnet18(num_classes=10, num_filters=FILTERS)
+  model = resnet18(num_classes=10, num_filters=FILTERS)
   rng = np.random.default_rng(0)
   images = jnp.asarray(rng.standard_normal((BATCH, 32, 32, 3), np.float32))
   labels = jnp.asarray(rng.integers(0, 10, BATCH), jnp.int32)

@@ -50,15 +50,14 @@ later loop overwrites in place (``jax.jit(...).lower(...).compile()
 bare optimizer only on finite steps reaches the floor for ``update`` alone
 (1.20 fp32) but makes the whole train step 2-9% slower
 (``bench/step_overhead.py``: 1.02-1.09 against 0.92-0.97 with selects), so
-the selects stay. The ``no-skip`` columns trace jaxmp with the finite flag
-fixed to True (no check, no skip; XLA folds the selects away): the fp32 rows
-then run at about the bare optimizer's time, so the rest of the fp32 ratio is
-the cost of being able to skip a step.
+the selects stay. (An earlier version also timed jaxmp with the finite flag
+fixed to True, by patching a private module: the fp32 rows then ran at about
+the bare optimizer's time, so the rest of the fp32 ratio is the cost of being
+able to skip a step. Benchmarks use public names only, so it is gone.)
 
 The last line is the worse ``update`` ratio: ``update_time_ratio: X``.
 """
 
-import contextlib
 import os
 import statistics
 import sys
@@ -72,7 +71,6 @@ import optax
 sys.path.insert(0, os.path.dirname(__file__))
 import _shapes  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jaxmp  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jaxmp._src import mixed_precision  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 REPS = int(os.environ.get("BENCH_REPS", "15"))
 
@@ -123,7 +121,7 @@ def runner(opt, params, grads, unit):
 
 
 def compare(unit, half):
-  """Median seconds of (plain SGD, jaxmp, jaxmp with the flag fixed)."""
+  """Median seconds of (plain SGD, jaxmp)."""
   params = make_tree(half)
   params32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
   scale = 2.0**10
@@ -131,15 +129,8 @@ def compare(unit, half):
   grads32 = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
   runs = [list(runner(optax.sgd(0.1, momentum=0.9), params32, grads32,
                       unit))]
-  for fixed in (False, True):
-    mp = jaxmp.mixed_precision(optax.sgd(0.1, momentum=0.9),
-                                loss_scale=scale)
-    run = list(runner(mp, params, grads, unit))
-    if fixed:  # Traced now, with every step declared finite: no check, no
-      # skip; XLA folds the selects away. What the skip machinery costs.
-      with _finite_flag_fixed():
-        _, run[1] = run[0](run[1])
-    runs.append(run)
+  mp = jaxmp.mixed_precision(optax.sgd(0.1, momentum=0.9), loss_scale=scale)
+  runs.append(list(runner(mp, params, grads, unit)))
   for _ in range(3):  # Warm-up: compile and touch memory.
     for run in runs:
       _, run[1] = run[0](run[1])
@@ -151,31 +142,21 @@ def compare(unit, half):
   return tuple(statistics.median(t) for t in times)
 
 
-@contextlib.contextmanager
-def _finite_flag_fixed():
-  original = mixed_precision.all_finite
-  mixed_precision.all_finite = lambda tree: jnp.array(True)
-  try:
-    yield
-  finally:
-    mixed_precision.all_finite = original
-
-
 def main():
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}, "
         f"{_shapes.num_params(_shapes.resnet18_param_shapes()):,} params, "
         f"{REPS} interleaved reps, median")
   print(f"{'unit':<14}{'params':<10}{'optax ms':>10}{'jaxmp ms':>10}"
-        f"{'ratio':>8}{'no-skip ms':>12}{'ratio':>8}")
+        f"{'ratio':>8}")
   worst = {}
   for unit in ("update", "update+apply"):
     for half in (False, True):
-      base, mine, fixed = compare(unit, half)
+      base, mine = compare(unit, half)
       ratio = mine / base
       worst[unit] = max(worst.get(unit, 0.0), ratio)
       print(f"{unit:<14}{'fp16 O2' if half else 'fp32':<10}"
-            f"{base * 1e3:>10.2f}{mine * 1e3:>10.2f}{ratio:>8.3f}"
-            f"{fixed * 1e3:>12.2f}{fixed / base:>8.3f}", flush=True)
+            f"{base * 1e3:>10.2f}{mine * 1e3:>10.2f}{ratio:>8.3f}",
+            flush=True)
   print(f"update_apply_time_ratio: {worst['update+apply']:.3f}")
   print(f"update_time_ratio: {worst['update']:.3f}")
 

@@ -47,11 +47,40 @@ import threading
 import time
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-# Same as conftest.py: tiny shapes, so skip XLA's slow LLVM optimisations.
+# The tests use tiny shapes, so XLA's slow LLVM optimisations only cost
+# compile time (about half of the suite's CPU time without these two flags).
+# Exactness claims are checked once without them (``-m invariant``).
 FAST_COMPILE = ("--xla_backend_optimization_level=0 "
                 "--xla_llvm_disable_expensive_passes=true")
 ROOT = os.path.dirname(TESTS)
 TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+def tiny_config(data_dir: str, **overrides):
+  """``configs/smoke.py`` shrunk to a 4-filter net, 6 steps, on 256 images."""
+  from configs import smoke  # pylint: disable=g-import-not-at-top
+  config = smoke.get_config()
+  config.data_dir = data_dir
+  config.synthetic_train_examples = 256
+  config.synthetic_test_examples = 100
+  config.num_filters = 4
+  config.batch_size = 32
+  config.eval_batch_size = 64
+  config.num_epochs = 1
+  config.num_train_steps = 6
+  config.log_every_steps = 1
+  config.checkpoint_every_steps = 2
+  config.progress_bar = False
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+def load_tiny_data(data_dir: str):
+  """The synthetic data set of `tiny_config`."""
+  from cifar_train import loop  # pylint: disable=g-import-not-at-top
+  from cifar_train import settings  # pylint: disable=g-import-not-at-top
+  return loop.load_data(settings.resolve(tiny_config(data_dir)))
 
 
 def run_driver(spec: dict, path: str, *, devices: int = 4,
@@ -68,6 +97,11 @@ def run_driver(spec: dict, path: str, *, devices: int = 4,
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   with open(spec["results"]) as f:
     return json.load(f)
+
+
+def read_jsonl(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
 
 
 def read_log(job: dict) -> str:
@@ -107,7 +141,7 @@ def _install_fault(fault: str, at: int) -> None:
   from orbax.checkpoint._src.path import async_path
   from orbax.checkpoint._src.path import atomicity
   from orbax.checkpoint._src.path import deleter
-  from jaxmp._src import checkpoint
+  from cifar_train import checkpoint
 
   save = checkpoint.save
   if fault == "kill_before_save":
@@ -183,16 +217,14 @@ def _run_job(job: dict, data) -> None:
   sys.stdout = os.fdopen(1, "w", buffering=1)
   sys.stderr = os.fdopen(2, "w", buffering=1)
   # pylint: disable=g-import-not-at-top
-  from jaxmp._src import cli
-  from jaxmp._src import train
-  from test_train import tiny_config
+  from cifar_train import cli
+  from cifar_train import loop
   config = tiny_config(job["data_dir"], data_on_device=True,
                        **job.get("config", {}))
-  train.load_data = lambda _: data
   _install_fault(job.get("fault", ""), int(job.get("step", 0)))
   if job.get("cli"):
-    os._exit(cli.run(config, job["workdir"]))  # pylint: disable=protected-access
-  summary = train.train_and_evaluate(config, job["workdir"])
+    os._exit(cli.run(config, job["workdir"], data=data))  # pylint: disable=protected-access
+  summary = loop.train_and_evaluate(config, job["workdir"], data=data)
   print("fingerprint", summary["params_fingerprint"], flush=True)
   os._exit(0)  # pylint: disable=protected-access
 
@@ -207,10 +239,8 @@ def main(spec_path: str) -> None:
   import matplotlib.pyplot
   import tensorboardX
   import orbax.checkpoint
-  from jaxmp._src import train
-  from test_train import tiny_config
   # The parent reads the data (TensorFlow) but never initialises JAX.
-  data = train.load_data(tiny_config(spec["data_dir"]))
+  data = load_tiny_data(spec["data_dir"])
   results = []
   for job in spec["jobs"]:
     job = dict(job, data_dir=spec["data_dir"])
@@ -241,16 +271,14 @@ def distributed_main(spec_path: str, process_id: int) -> None:
   sys.path.insert(0, TESTS)
   sys.path.insert(0, ROOT)
   # pylint: disable=g-import-not-at-top
-  from jaxmp._src import train
-  from test_train import tiny_config
+  from cifar_train import loop
+  from cifar_train import mesh
   for j, overrides in enumerate(spec["jobs"]):
-    config = tiny_config(spec["data_dir"], **overrides,
-                         coordinator_address=spec["coordinator_address"],
-                         num_processes=spec["num_processes"],
-                         process_id=process_id)
+    config = tiny_config(spec["data_dir"], **overrides)
     if j == 0:
-      train.initialize_distributed(config)
-    summary = train.train_and_evaluate(config, spec["workdir"])
+      mesh.initialize_distributed(spec["coordinator_address"],
+                                  spec["num_processes"], process_id)
+    summary = loop.train_and_evaluate(config, spec["workdir"])
     print(f"process {process_id} job {j} fingerprint "
           f"{summary['params_fingerprint']}", flush=True)
 

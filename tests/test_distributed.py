@@ -17,26 +17,20 @@ import re
 
 import pytest
 
-from _helpers import run_distributed
+from _helpers import read_jsonl, run_distributed
 
 # Two cold compiles on a 2-core machine take minutes, beyond the suite's
 # budget: run with JAXMP_DISTRIBUTED_TESTS=1 (documented in the README).
 pytestmark = pytest.mark.skipif(
     os.environ.get("JAXMP_DISTRIBUTED_TESTS") != "1",
     reason="multi-process test; set JAXMP_DISTRIBUTED_TESTS=1 to run it")
-from jaxmp._src import train
-from test_train import read_jsonl, tiny_config
+from cifar_train import loop
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
-
-
-def test_two_processes_agree_with_one(data_dir, tmp_path):
+def test_two_processes_agree_with_one(make_config, data_dir, tmp_path):
   # The reference also prepares the data set before two processes read it.
   one_dir = str(tmp_path / "one")
-  one = train.train_and_evaluate(tiny_config(data_dir), one_dir)
+  one = loop.train_and_evaluate(make_config(data_dir), one_dir)
   assert (one["num_devices"], one["num_processes"]) == (4, 1)
 
   two_dir = str(tmp_path / "two")

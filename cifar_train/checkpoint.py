@@ -21,13 +21,10 @@ from typing import Any, Optional
 
 import jax
 from jax.experimental import multihost_utils
-import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-
-class CheckpointError(RuntimeError):
-  """No usable checkpoint, or one that does not fit the config."""
+from cifar_train.errors import CheckpointError
 
 
 def _state_handler() -> ocp.PyTreeCheckpointHandler:
@@ -48,11 +45,10 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
   return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
-def create_manager(workdir: str, config: ml_collections.ConfigDict
-                   ) -> ocp.CheckpointManager:
-  """A manager keeping the newest ``config.keep_checkpoints`` checkpoints."""
+def create_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
+  """A manager keeping the newest ``keep`` checkpoints."""
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=max(int(config.keep_checkpoints), 1),
+      max_to_keep=max(int(keep), 1),
       create=True,
       cleanup_tmp_directories=True,
       enable_async_checkpointing=True)
@@ -62,10 +58,9 @@ def create_manager(workdir: str, config: ml_collections.ConfigDict
                      "meta": ocp.JsonCheckpointHandler()})
 
 
-def should_save(config: ml_collections.ConfigDict, step: int, epoch_end: int,
+def should_save(every: int, step: int, epoch_end: int,
                 total_steps: int) -> bool:
-  """Every ``checkpoint_every_steps`` steps (0: each epoch end) and the end."""
-  every = int(config.checkpoint_every_steps)
+  """Every ``every`` steps (0: at each epoch end) and at the end."""
   if step == total_steps:
     return True
   return step % every == 0 if every > 0 else step == epoch_end

@@ -22,15 +22,17 @@ import glob
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
 
 from _helpers import TMP_MARK, read_log, run_driver
-from jaxmp._src import cli
-from jaxmp._src import input_pipeline
-from jaxmp._src import train
-from test_train import tiny_config
+from cifar_train import checkpoint
+from cifar_train import loop
+from cifar_train import settings
+from cifar_train import steps
+from cifar_train.errors import CheckpointError
 
 STEPS = 6
 CHAIN = [  # (fault, at checkpoint, expected exit code, resumed from)
@@ -41,11 +43,6 @@ CHAIN = [  # (fault, at checkpoint, expected exit code, resumed from)
     ("kill_during_cleanup", 3, -9, 4),
     ("missing_file", 5, 0, 4),
 ]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
 
 
 def _resumed_from(log: str):
@@ -133,3 +130,56 @@ def test_killed_and_failed_saves_resume_exactly(data_dir, tmp_path):
         assert json.load(f)["params_fingerprint"] == reference
 
 
+
+
+def _template(make_config, data_dir):
+  s = settings.resolve(make_config(data_dir))
+  model = steps.create_model(s.model, num_classes=10,
+                             num_filters=s.num_filters, precision=s.precision)
+  # A schedule, as the loop's, so that the optimizer state has its count.
+  optimizer = steps.create_optimizer(s.precision, lambda _: 0.1,
+                                     momentum=0.9, weight_decay=5e-4)
+  return steps.create_train_state(model, optimizer, (32, 32, 3), seed=0)
+
+
+def test_truncated_checkpoint_falls_back(make_config, data_dir, tiny_data,
+                                         tmp_path, capsys):
+  workdir = str(tmp_path / "run")
+  config = make_config(data_dir, num_train_steps=4, keep_checkpoints=3)
+  loop.train_and_evaluate(config, workdir, data=tiny_data)
+  newest = os.path.join(workdir, "checkpoints", "4")
+  for path in glob.glob(os.path.join(newest, "state", "**", "*"),
+                        recursive=True):
+    if os.path.isfile(path) and os.path.getsize(path) > 100:
+      with open(path, "r+b") as f:
+        f.truncate(10)
+  template = _template(make_config, data_dir)
+  manager = checkpoint.create_manager(workdir, keep=3)
+  state, path = checkpoint.restore_latest(manager, template)
+  assert path.endswith(os.path.join("checkpoints", "2"))
+  assert int(state.step) == 2
+  assert "checkpoints/4 is unusable" in capsys.readouterr().out
+  # The unusable checkpoint was set aside; put it back as the only one left.
+  os.replace(os.path.join(workdir, "unusable_checkpoints", "4"), newest)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "2"))
+  manager = checkpoint.create_manager(workdir, keep=3)
+  with pytest.raises(CheckpointError, match="checkpoints/4"):
+    checkpoint.restore_latest(manager, template)
+
+
+def test_checkpoint_shape_mismatch_names_the_leaf(make_config, data_dir,
+                                                  tiny_data, tmp_path):
+  workdir = str(tmp_path / "run")
+  loop.train_and_evaluate(make_config(data_dir, num_train_steps=2), workdir,
+                          data=tiny_data)
+  with pytest.raises(CheckpointError, match=r"does not match the config at \.params\['bn1'\]\['bias'\]: stored shape \(4,\), config shape \(8,\)"):
+    loop.train_and_evaluate(make_config(data_dir, num_filters=8), workdir,
+                            data=tiny_data)
+
+
+@pytest.mark.parametrize("every,expected", [(0, [3, 6]), (2, [2, 4, 6]),
+                                            (4, [4, 6])])
+def test_should_save(every, expected):
+  saved = [step for step in range(1, 7)
+           if checkpoint.should_save(every, step, 3 if step <= 3 else 6, 6)]
+  assert saved == expected

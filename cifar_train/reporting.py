@@ -12,19 +12,20 @@ import tempfile
 from typing import Any
 
 import jax
-import ml_collections
+
+from cifar_train.errors import WorkdirError
 
 
 def check_workdir(workdir: str) -> None:
   """Fails before any training when ``workdir`` cannot be written."""
   if not workdir:
-    raise ValueError("--workdir is required")
+    raise WorkdirError("--workdir is required")
   try:
     os.makedirs(workdir, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test"):
       pass
   except OSError as e:
-    raise PermissionError(
+    raise WorkdirError(
         f"workdir {workdir!r} is not writable: {e.strerror}") from None
 
 
@@ -38,8 +39,8 @@ def _atomic_write(path: str, text: str) -> None:
 class Reporter:
   """Progress bar, the seed's epoch line, metrics.jsonl, TensorBoard, plots."""
 
-  def __init__(self, workdir: str, config: ml_collections.ConfigDict,
-               num_devices: int, total_steps: int):
+  def __init__(self, workdir: str, *, num_devices: int, total_steps: int,
+               progress_bar: bool = True):
     self.workdir = workdir
     self.num_devices = num_devices
     self.is_main = jax.process_index() == 0
@@ -53,7 +54,7 @@ class Reporter:
     if os.path.exists(path):  # Resumed run: keep what earlier runs logged.
       with open(path) as f:
         self.history = [json.loads(line) for line in f if line.strip()]
-    if config.get("progress_bar", True):
+    if progress_bar:
       import tqdm  # pylint: disable=g-import-not-at-top
       self._bar = tqdm.tqdm(total=total_steps, unit="step", dynamic_ncols=True,
                             file=sys.stderr, leave=False)

@@ -1,0 +1,66 @@
+"""Devices and processes: the data mesh, global arrays and host fetches."""
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from cifar_train.errors import ConfigError
+
+
+def initialize_distributed(coordinator_address: str = "",
+                           num_processes: int = 1,
+                           process_id: int = 0) -> None:
+  """Joins a multi-process run when one is configured; no-op otherwise.
+
+  ``coordinator_address`` (with ``num_processes`` and ``process_id``) starts
+  `jax.distributed` explicitly; otherwise a cluster launcher that JAX detects
+  (SLURM, Open MPI, ``JAX_COORDINATOR_ADDRESS``) does.
+  """
+  if coordinator_address:
+    jax.distributed.initialize(coordinator_address, num_processes,
+                               process_id)
+  elif any(v in os.environ for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
+                                     "JAX_COORDINATOR_ADDRESS")):
+    jax.distributed.initialize()
+
+
+def create_mesh(num_devices: int, batch_sizes: dict[str, int]) -> Mesh:
+  """A 1-D ``data`` mesh over ``num_devices`` devices (0 = all).
+
+  Args:
+    num_devices: how many of the visible devices to use; 0 for all.
+    batch_sizes: named global batch sizes that must split over the devices.
+
+  Raises:
+    ConfigError: too many devices asked for, or a batch that does not split.
+  """
+  devices = jax.devices()
+  n = num_devices or len(devices)
+  if n > len(devices):
+    raise ConfigError(f"num_devices={n} but only {len(devices)} devices are "
+                      "visible")
+  for key, size in batch_sizes.items():
+    if size % n:
+      raise ConfigError(
+          f"{key} {size} is not divisible by the {n} devices; use a "
+          f"multiple of {n}")
+  return Mesh(np.asarray(devices[:n]), ("data",))
+
+
+def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding
+                 ) -> dict[str, jax.Array]:
+  """A global array sharded over ``data`` from this process's rows."""
+  return {k: jax.make_array_from_process_local_data(sharding, v)
+          for k, v in local.items()}
+
+
+def to_host(tree: Any) -> Any:
+  """Fetches replicated arrays, also those spanning several processes."""
+  def fetch(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return np.asarray(x.addressable_data(0))
+    return np.asarray(jax.device_get(x))
+  return jax.tree.map(fetch, tree)

@@ -1,0 +1,175 @@
+"""The config, validated and resolved once into one typed record.
+
+`resolve` is the only place that reads the `ml_collections.ConfigDict`: it
+checks every value, resolves the precision preset into a `Precision` record
+and returns a frozen `Settings`. Everything below the app's top function takes
+explicit values from it. The defaults live in ``configs/default.py`` only.
+"""
+
+import dataclasses
+import os
+from typing import Any
+
+import jax.numpy as jnp
+import jmp
+import ml_collections
+import numpy as np
+
+import jaxmp
+from cifar_train.errors import ConfigError
+
+MODELS = ("resnet18", "resnet18_torchvision")
+SCHEDULES = ("cosine", "constant")
+DATASETS = ("cifar10", "cifar100", "image_folder", "synthetic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+  """A preset resolved for this run: dtypes, loss scale, masters.
+
+  Attributes:
+    name: the preset name or jmp policy string of the config.
+    param_dtype: dtype the model's params are stored in.
+    compute_dtype: dtype of the forward and backward pass.
+    norm_dtype: dtype of BatchNorm params and arithmetic.
+    loss_scale: the jmp loss-scale object handed to `jaxmp.mixed_precision`.
+    max_loss_scale: the cap of a dynamic scale.
+    hysteresis: back off from the ``hysteresis``-th overflow in a row.
+    master_weights: half-precision params keep fp32 masters.
+  """
+  name: str
+  param_dtype: Any
+  compute_dtype: Any
+  norm_dtype: Any
+  loss_scale: jaxmp.LossScale
+  max_loss_scale: float
+  hysteresis: int
+  master_weights: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Every value of a run, checked. Field meanings: ``configs/default.py``."""
+  model: str
+  num_filters: int
+  precision: Precision
+  max_consecutive_skips: int
+  dataset: str
+  data_dir: str
+  mean: tuple[float, float, float]
+  std: tuple[float, float, float]
+  augment: bool
+  data_on_device: bool
+  synthetic_train_examples: int
+  synthetic_test_examples: int
+  batch_size: int
+  eval_batch_size: int
+  num_epochs: int
+  num_train_steps: int
+  learning_rate: float
+  lr_schedule: str
+  warmup_epochs: float
+  momentum: float
+  nesterov: bool
+  weight_decay: float
+  label_smoothing: float
+  num_devices: int
+  coordinator_address: str
+  num_processes: int
+  process_id: int
+  seed: int
+  log_every_steps: int
+  checkpoint_every_steps: int
+  keep_checkpoints: int
+  progress_bar: bool
+
+
+def _is_dynamic(loss_scale: Any) -> bool:
+  return isinstance(loss_scale, jmp.DynamicLossScale) or loss_scale == "dynamic"
+
+
+def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
+  """The preset of ``config.policy`` with the config's loss-scale settings."""
+  try:
+    preset = jaxmp.get_preset(config.policy)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  policy = preset.policy
+  if _is_dynamic(preset.loss_scale):
+    loss_scale = jmp.DynamicLossScale(
+        np.float32(config.init_loss_scale),
+        period=int(config.loss_scale_period),
+        factor=config.loss_scale_factor,
+        min_loss_scale=np.float32(config.min_loss_scale))
+  elif isinstance(preset.loss_scale, (jmp.StaticLossScale,
+                                      jmp.NoOpLossScale)):
+    loss_scale = preset.loss_scale
+  else:
+    loss_scale = jmp.NoOpLossScale()
+  norm_dtype = (jnp.float32 if preset.keep_batchnorm_fp32 else
+                policy.param_dtype)
+  return Precision(
+      name=preset.name, param_dtype=policy.param_dtype,
+      compute_dtype=policy.compute_dtype, norm_dtype=norm_dtype,
+      loss_scale=loss_scale, max_loss_scale=float(config.max_loss_scale),
+      hysteresis=int(config.loss_scale_hysteresis),
+      master_weights=preset.master_weights)
+
+
+def _choice(config, key: str, valid: tuple[str, ...]) -> str:
+  if config[key] not in valid:
+    raise ConfigError(f"unknown {key} {config[key]!r}; valid: "
+                      f"{', '.join(valid)}")
+  return config[key]
+
+
+def resolve(config: ml_collections.ConfigDict) -> Settings:
+  """Validates ``config`` once and returns its `Settings`.
+
+  Raises:
+    ConfigError: naming the first invalid value and the valid choices.
+  """
+  model = _choice(config, "model", MODELS)
+  dataset = _choice(config, "dataset", DATASETS)
+  precision = resolve_precision(config)
+  for key in ("batch_size", "eval_batch_size", "num_filters", "num_epochs",
+              "log_every_steps"):
+    if int(config[key]) < 1:
+      raise ConfigError(f"{key} must be >= 1, got {config[key]}")
+  lr_schedule = _choice(config, "lr_schedule", SCHEDULES)
+  if dataset == "image_folder":
+    if not config.data_dir:
+      raise ConfigError("dataset 'image_folder' needs --config.data_dir=DIR "
+                        "holding train/<class>/* and test/<class>/*")
+    if not os.path.isdir(config.data_dir):
+      raise ConfigError(f"data_dir {config.data_dir!r} does not exist")
+  if len(config.mean) != 3 or len(config.std) != 3:
+    raise ConfigError("mean and std must have 3 values (RGB)")
+  if int(config.num_devices) < 0:
+    raise ConfigError(f"num_devices must be >= 0, got {config.num_devices}")
+  return Settings(
+      model=model, num_filters=int(config.num_filters), precision=precision,
+      max_consecutive_skips=int(config.max_consecutive_skips),
+      dataset=dataset, data_dir=config.data_dir,
+      mean=tuple(float(m) for m in config.mean),
+      std=tuple(float(s) for s in config.std),
+      augment=bool(config.augment), data_on_device=bool(config.data_on_device),
+      synthetic_train_examples=int(config.synthetic_train_examples),
+      synthetic_test_examples=int(config.synthetic_test_examples),
+      batch_size=int(config.batch_size),
+      eval_batch_size=int(config.eval_batch_size),
+      num_epochs=int(config.num_epochs),
+      num_train_steps=int(config.num_train_steps),
+      learning_rate=float(config.learning_rate), lr_schedule=lr_schedule,
+      warmup_epochs=float(config.warmup_epochs),
+      momentum=float(config.momentum), nesterov=bool(config.nesterov),
+      weight_decay=float(config.weight_decay),
+      label_smoothing=float(config.label_smoothing),
+      num_devices=int(config.num_devices),
+      coordinator_address=config.coordinator_address,
+      num_processes=int(config.num_processes),
+      process_id=int(config.process_id), seed=int(config.seed),
+      log_every_steps=int(config.log_every_steps),
+      checkpoint_every_steps=int(config.checkpoint_every_steps),
+      keep_checkpoints=int(config.keep_checkpoints),
+      progress_bar=bool(config.progress_bar))
