@@ -15,9 +15,16 @@ APP_ONLY = ("tensorflow", "tensorflow_datasets", "orbax", "ml_collections",
             "absl", "tqdm", "tensorboardX", "matplotlib", "etils")
 
 PUBLIC = {
-    "jaxmp": JAXMP_NAMES,
-    "jaxmp.nn": NN_NAMES,
-    "jaxmp.models": MODELS_NAMES,
+    "jaxmp": (
+        "adjust_loss_scale", "all_finite", "check_health", "find_state",
+        "get_policy", "get_preset", "loss_scale", "LossScale",
+        "LossScaleCollapseError", "LossScaleConfig", "master_params",
+        "mixed_precision", "multi_steps", "MixedPrecisionState", "Preset",
+        "PRESETS", "rollback_if_skipped", "scale_loss", "stats",
+    ),
+    "jaxmp.nn": ("BatchNorm", "conv_general_dilated"),
+    "jaxmp.models": ("get_model", "ResNet", "resnet18",
+                     "resnet18_torchvision"),
 }
 
 
@@ -26,7 +33,9 @@ def test_all_is_pinned(module):
   mod = __import__(module, fromlist=["_"])
   assert sorted(mod.__all__) == sorted(PUBLIC[module])
   for name in mod.__all__:
-    assert getattr(mod, name).__doc__, f"{module}.{name} has no docstring"
+    obj = getattr(mod, name)
+    if callable(obj) and getattr(obj, "__module__", "").startswith("jaxmp"):
+      assert obj.__doc__, f"{module}.{name} has no docstring"
 
 
 def test_readme_documents_exactly_the_public_names():

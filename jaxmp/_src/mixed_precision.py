@@ -1,9 +1,9 @@
-"""`mixed_precision`: FP32 master params and dynamic loss scaling as one optax transform.
+"""`mixed_precision`: FP32 masters and dynamic loss scaling in one transform.
 
 The loss-scale rule is jmp's, which is also `torch.amp.GradScaler`'s::
 
     # grads are the gradients of loss * scale; every step:
-    grads = grads / scale                     # in fp32, with the forward's scale
+    grads = grads / scale                     # fp32, with the forward's scale
     finite = all(isfinite(grads))             # one flag for the whole tree
     if finite:
       masters, inner_state = inner.update(grads, masters)   # step applied
@@ -31,6 +31,7 @@ only and comes back from `jit` with `min_loss_scale=1`.
 """
 
 import dataclasses
+import warnings
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -126,7 +127,12 @@ def _config_from(loss_scale: Optional[Union[LossScale, float]],
     if not floor <= cap:
       raise ValueError(
           f"min_loss_scale={floor} is above max_loss_scale={cap}")
-    value = min(max(value, floor), cap)
+    clamped = min(max(value, floor), cap)
+    if clamped != value:
+      warnings.warn(
+          f"initial loss scale {value} is outside [min_loss_scale={floor}, "
+          f"max_loss_scale={cap}]; it starts at {clamped}", stacklevel=3)
+    value = clamped
     return LossScaleConfig("dynamic", int(loss_scale.period),
                            float(loss_scale.factor), floor, cap,
                            hysteresis), value
@@ -226,12 +232,20 @@ def _full_finite_exact(leaves) -> jax.Array:
 
 def _full_finite_cpu(leaves) -> jax.Array:
   fast = jnp.isfinite(sum(jnp.sum(x) for x in leaves))
-  return jax.lax.cond(fast, lambda _: jnp.array(True), _full_finite_exact,
-                      leaves)
+  # The true branch returns ``fast`` itself (True there) rather than a
+  # constant: under ``shard_map`` both branches then carry the operands'
+  # varying manual axes (vma), as ``check_vma=True`` requires.
+  return jax.lax.cond(fast, lambda f, _: f,
+                      lambda _, xs: _full_finite_exact(xs), fast, leaves)
 
 
 def _is_half(x) -> bool:
   return jnp.dtype(x.dtype) in [jnp.dtype(d) for d in _HALF]
+
+
+def _find_masked_nodes(tree) -> bool:
+  is_mn = lambda x: isinstance(x, optax.MaskedNode)
+  return any(map(is_mn, jax.tree_util.tree_leaves(tree, is_leaf=is_mn)))
 
 
 def _find_multisteps(tree) -> bool:
@@ -262,7 +276,26 @@ def mixed_precision(
   new_master.astype(param.dtype)`` bit for bit, except where a half-precision
   param shrinks more than 2**13-fold in one step to a nonzero value (a single
   fp32 update cannot express that; the error is then below
-  ``2**-24 * |old param|``). fp32 params are their own masters.
+  ``2**-24 * |old param|``), and except for one signed zero: where
+  ``cast(new master)`` is ``-0.0`` and the param was not ``-0.0``, the param
+  becomes ``+0.0`` (in round-to-nearest ``p + u`` is ``-0.0`` only when both
+  are ``-0.0``). Both zeros compare equal. (Where XLA flushes fp32
+  subnormals, as on CPU, a bfloat16 subnormal acts as a zero of its sign.)
+  fp32 params are their own masters.
+
+  Placement: ``mixed_precision`` must be the outermost transform, wrapping the
+  whole optimizer, e.g. ``mixed_precision(optax.chain(clip, adam))``. The two
+  other placements are wrong. A transform chained before it
+  (``optax.chain(clip, mixed_precision(adam))``) sees the *scaled* gradients,
+  which can be inf/nan: clipping then uses a norm ``scale`` times too large
+  and statistics are poisoned. A transform chained after it
+  (``optax.chain(mixed_precision(adam), optax.add_decayed_weights(...))``)
+  changes updates the masters never see, and moves the params on skipped
+  steps too; a half param lands on ``cast(master)`` again at the next step,
+  which quietly undoes the move (an fp32 param keeps it). Inside
+  ``optax.multi_transform``/``optax.masked`` part of the gradients would never
+  be unscaled nor checked: ``init`` rejects it; use
+  ``mixed_precision(optax.multi_transform(...))``.
 
   For gradient accumulation put `jaxmp.multi_steps` (a fixed
   `optax.MultiSteps`) outside: ``jaxmp.multi_steps(mixed_precision(inner),
@@ -284,7 +317,10 @@ def mixed_precision(
       (Apex O3) updates half params in place through fp32 arithmetic.
     axis_name: name of a mapped axis (``shard_map``/``pmap``) over which the
       finite flag is reduced, so that every device skips together. Not needed
-      under ``jit`` with sharded arrays: the check is global there.
+      under ``jit`` with sharded arrays: the check is global there. Under
+      ``shard_map`` without it, device-varying gradients make the flag, the
+      scale and the counters device-varying too: their ``out_specs`` must
+      then be ``P(axis)``, not ``P()`` (``check_vma`` rejects ``P()``).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; extra args go to ``inner``.
@@ -302,6 +338,13 @@ def mixed_precision(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    if _find_masked_nodes(params):
+      raise ValueError(
+          "mixed_precision inside optax.multi_transform or optax.masked sees "
+          "only part of the params: the other groups' gradients are never "
+          "unscaled and their inf/nan never skips the step; wrap the whole "
+          "optimizer instead: jaxmp.mixed_precision(optax.multi_transform("
+          "...))")
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       if not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
         raise ValueError(
@@ -361,7 +404,12 @@ def mixed_precision(
     def outer_update(p, u, m):
       if m is not None:
         # An fp32 update lands p exactly on cast(new master) (see docstring).
-        u = m.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
+        # Where they already agree bit for bit, -0.0 keeps p as it is (a
+        # -0.0 param plus the +0.0 of ``t - p`` would turn into +0.0).
+        t = m.astype(p.dtype)
+        same = (t == p) & (jnp.signbit(t) == jnp.signbit(p))
+        u = jnp.where(same, jnp.asarray(-0.0, jnp.float32),
+                      t.astype(jnp.float32) - p.astype(jnp.float32))
       # -0.0 is the additive identity of every float, signed zeros included.
       return jnp.where(finite, u, jnp.asarray(-0.0, u.dtype))
 
@@ -385,7 +433,14 @@ def mixed_precision(
 
 
 def _full_precision(params, masters):
-  """fp32 view of the params: the master where there is one, else upcast."""
-  return jax.tree.map(
-      lambda m, p: p.astype(jnp.float32) if m is None else m,
-      masters, params, is_leaf=lambda x: x is None)
+  """fp32 view of the params: the master where there is one, else upcast.
+
+  ``None`` params (empty subtrees, such as the function fields of an
+  ``eqx.filter``-ed Equinox module) stay ``None``.
+  """
+  def view(m, p):
+    if p is None:
+      return None
+    return p.astype(jnp.float32) if m is None else m
+
+  return jax.tree.map(view, masters, params, is_leaf=lambda x: x is None)
