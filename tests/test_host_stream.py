@@ -1,0 +1,137 @@
+"""Tests of cifar_train.host_stream: training and eval batches (CPU)."""
+
+import numpy as np
+import pytest
+
+from cifar_train import host_stream
+
+MEAN = (0.4914, 0.4822, 0.4465)
+STD = (0.2470, 0.2435, 0.2616)
+TRAIN = dict(seed=0, batch_size=16, mean=MEAN, std=STD, augment=True)
+
+
+def random_data(n: int = 100, size: int = 8, seed: int = 0):
+  """Random uint8 images; label i marks example i, to trace the order."""
+  rng = np.random.default_rng(seed)
+  images = rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8)
+  return images, np.arange(n, dtype=np.int32)
+
+
+def unnormalize(x: np.ndarray) -> np.ndarray:
+  u8 = (x * np.asarray(STD) + np.asarray(MEAN)) * 255.0
+  np.testing.assert_allclose(u8, np.rint(u8), atol=1e-3)
+  return np.rint(u8).astype(np.uint8)
+
+
+def crop_options(image: np.ndarray) -> list[np.ndarray]:
+  """All 2 * 9 * 9 pad-4 crops (flipped or not) of `image`."""
+  h, w, _ = image.shape
+  padded = np.pad(image, ((4, 4), (4, 4), (0, 0)))
+  out = []
+  for dy in range(9):
+    for dx in range(9):
+      crop = padded[dy:dy + h, dx:dx + w]
+      out += [crop, crop[:, ::-1]]
+  return out
+
+
+def is_valid_crop(out: np.ndarray, image: np.ndarray) -> bool:
+  return any(np.array_equal(out, c) for c in crop_options(image))
+
+
+def collect(images, labels, **kwargs):
+  return list(host_stream.train_batches(images, labels, **{**TRAIN, **kwargs}))
+
+
+# -- Training stream --------------------------------------------------------
+
+
+def test_train_stream_shapes_order_and_normalisation():
+  images, labels = random_data()
+  batches = collect(images, labels, epoch=0)
+  # Drop remainder.
+  assert len(batches) == host_stream.steps_per_epoch(100, 16) == 6
+  for b in batches:
+    assert b["image"].shape == (16, 8, 8, 3) and b["image"].dtype == np.float32
+    assert b["label"].shape == (16,) and b["label"].dtype == np.int32
+  order = np.concatenate([b["label"] for b in batches])
+  np.testing.assert_array_equal(
+      order, host_stream.epoch_permutation(0, 0, 100)[:96])
+  for b in batches[:2]:
+    for image, label in zip(b["image"], b["label"]):
+      assert is_valid_crop(unnormalize(image), images[label])
+
+
+def test_train_stream_without_augmentation_is_the_plain_images():
+  images, labels = random_data()
+  batches = collect(images, labels, epoch=0, augment=False)
+  for b in batches[:2]:
+    for image, label in zip(b["image"], b["label"]):
+      np.testing.assert_array_equal(unnormalize(image), images[label])
+
+
+def test_train_stream_deterministic_per_seed_and_epoch():
+  images, labels = random_data()
+  a = collect(images, labels, epoch=3)
+  b = collect(images, labels, epoch=3)
+  c = collect(images, labels, epoch=4)
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x["image"], y["image"])
+    np.testing.assert_array_equal(x["label"], y["label"])
+  assert not np.array_equal(a[0]["label"], c[0]["label"])
+  d = collect(images, labels, epoch=3, seed=1)
+  assert not np.array_equal(a[0]["label"], d[0]["label"])
+
+
+def test_train_stream_resume_is_bitwise():
+  images, labels = random_data()
+  full = collect(images, labels, epoch=1)
+  resumed = collect(images, labels, epoch=1, start_batch=4)
+  assert len(resumed) == 2
+  for x, y in zip(full[4:], resumed):
+    np.testing.assert_array_equal(x["image"], y["image"])
+    np.testing.assert_array_equal(x["label"], y["label"])
+  assert collect(images, labels, epoch=1, start_batch=6) == []
+
+
+def test_train_stream_process_slices():
+  images, labels = random_data()
+  full = collect(images, labels, epoch=2)
+  parts = [
+      collect(images, labels, epoch=2, process_index=i, process_count=2)
+      for i in range(2)
+  ]
+  for step, whole in enumerate(full):
+    p0, p1 = parts[0][step], parts[1][step]
+    assert p0["image"].shape == (8, 8, 8, 3)
+    assert not set(p0["label"]) & set(p1["label"])
+    np.testing.assert_array_equal(
+        np.concatenate([p0["label"], p1["label"]]), whole["label"])
+    np.testing.assert_array_equal(
+        np.concatenate([p0["image"], p1["image"]]), whole["image"])
+  with pytest.raises(ValueError, match="divisible"):
+    collect(images, labels, epoch=0, process_count=3)
+
+
+# -- Evaluation -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("process_count", [1, 2])
+def test_eval_covers_every_example_once(process_count):
+  images, labels = random_data(n=50)
+  seen = []
+  for i in range(process_count):
+    batches = list(host_stream.eval_batches(
+        images, labels, batch_size=16, mean=MEAN, std=STD, process_index=i,
+        process_count=process_count))
+    assert len(batches) == 4
+    for b in batches:
+      assert b["image"].shape == (16 // process_count, 8, 8, 3)
+      assert b["mask"].dtype == bool
+      for image, label in zip(b["image"][b["mask"]], b["label"][b["mask"]]):
+        np.testing.assert_array_equal(unnormalize(image), images[label])
+      seen += b["label"][b["mask"]].tolist()
+  assert sorted(seen) == list(range(50))
+  last = list(host_stream.eval_batches(
+      images, labels, batch_size=16, mean=MEAN, std=STD))[-1]
+  assert last["mask"].tolist() == [True] * 2 + [False] * 14
