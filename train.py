@@ -72,6 +72,7 @@ def _flag_error(argv, error) -> str:
 
 
 def main(argv):
+  """Checks the flags and runs the job."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if FLAGS.config is None:

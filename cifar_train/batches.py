@@ -25,6 +25,7 @@ from cifar_train.data_sources import Dataset
 
 
 class BatchSource(Protocol):
+  """What the loop needs of a data mode."""
 
   def jit_step(self, train_step: steps.TrainStep) -> Any:
     """The jitted ``step(state, *args, metrics) -> (state, metrics)``."""
@@ -47,11 +48,13 @@ class HostStream:
     self._batch_sharding = batch_sharding
 
   def jit_step(self, train_step):
+    """``train_step`` jitted over host batches: ``(state, x, y, metrics)``."""
     r, b = self._replicated, self._batch_sharding
     return jax.jit(train_step, in_shardings=(r, b, b, r),
                    out_shardings=(r, r), donate_argnums=(0, 3))
 
   def epoch(self, state, epoch, start_batch, num_batches):
+    """The batches ``start_batch..`` of ``epoch``, placed on the mesh."""
     del state  # The stream is a function of (seed, epoch) alone.
     stream = host_stream.train_batches(
         self._data.train_images, self._data.train_labels, epoch=epoch,
@@ -81,12 +84,14 @@ class DeviceResident:
         out_shardings=replicated)
 
   def jit_step(self, train_step):
+    """``train_step`` jitted to gather its batch from the resident set."""
     r = self._replicated
     step = steps.make_device_train_step(train_step, **self._step_args)
     return jax.jit(step, in_shardings=(r, r, r, r, None, r),
                    out_shardings=(r, r), donate_argnums=(0, 5))
 
   def epoch(self, state, epoch, start_batch, num_batches):
+    """The epoch's permutation and batch indices; no data moves."""
     perm = self._perm(state.rng, epoch)
     for batch in range(start_batch, start_batch + num_batches):
       yield self._images, self._labels, perm, np.int32(batch)

@@ -28,7 +28,7 @@ from cifar_train.errors import CheckpointError
 
 
 def _state_handler() -> ocp.PyTreeCheckpointHandler:
-  """orbax's pytree handler, writing each replicated array from one device.
+  """The pytree handler of orbax, writing each replicated array from one device.
 
   orbax's default (on CPU and TPU) cuts every replicated array into one slice
   per replica so that several hosts share the write; each cut is an eager op,

@@ -1,5 +1,6 @@
-"""Data sources: a whole split of CIFAR10/100, an image folder or the
-synthetic set, read into uint8 numpy arrays through tensorflow-datasets.
+"""Data sources: whole splits read into uint8 numpy arrays through tfds.
+
+CIFAR10/100, an image folder or the synthetic set.
 
 `load` asks tfds for one prepared builder and reads both splits
 (CIFAR10 is 150 MB). When CIFAR is not prepared and the network is
@@ -47,6 +48,7 @@ class Dataset:
 
   @property
   def image_shape(self) -> tuple[int, ...]:
+    """``(H, W, C)`` of every image."""
     return tuple(self.train_images.shape[1:])
 
 

@@ -65,12 +65,14 @@ class Reporter:
       self._tb = None
 
   def progress(self, step: int) -> None:
+    """Moves the progress bar to ``step``."""
     if self._bar is not None:
       self._bar.n = step
       if step % 10 == 0:
         self._bar.refresh()
 
   def log_step(self, step: int, stats: dict) -> None:
+    """Records a log step: loss, loss scale, skips (steps.jsonl, TensorBoard)."""
     if not self.is_main:
       return
     scale = float(stats["loss_scale"])
@@ -90,6 +92,7 @@ class Reporter:
   def log_epoch(self, *, epoch: int, step: int, train: dict, test: dict,
                 loss_scale: float, skipped_steps: int,
                 images_per_sec: float) -> None:
+    """Prints the seed's epoch line; appends to metrics.jsonl."""
     if not self.is_main:
       return
     record = {
@@ -119,6 +122,7 @@ class Reporter:
       self._tb.flush()
 
   def finish(self, summary: dict) -> None:
+    """Prints the test line, writes summary.json and plots.png."""
     if not self.is_main:
       return
     if self._bar is not None:

@@ -235,8 +235,11 @@ def params_fingerprint(state: TrainState) -> str:
 
 
 def state_fingerprint(state: TrainState) -> str:
-  """sha256 of the whole train state: step, params, batch_stats, the whole
-  opt_state (scale, counters, momentum, masters) and the data key."""
+  """sha256 of the whole train state.
+
+  Step, params, batch_stats, the whole opt_state (scale, counters, momentum,
+  masters) and the data key.
+  """
   return _digest({"step": state.step, "params": state.params,
                   "batch_stats": state.batch_stats,
                   "opt_state": state.opt_state, "rng": state.rng})

@@ -1,0 +1,1 @@
+"""Training configurations: ``python train.py --config configs/<name>.py``."""

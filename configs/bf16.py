@@ -12,6 +12,7 @@ from configs import default
 
 
 def get_config():
+  """Returns the bf16 configuration."""
   config = default.get_config()
   config.policy = "bf16"
   return config

@@ -11,6 +11,7 @@ from configs import default
 
 
 def get_config():
+  """Returns the fp32 configuration."""
   config = default.get_config()
   config.policy = "O0"
   return config

@@ -17,6 +17,7 @@ from configs import default
 
 
 def get_config():
+  """Returns the seed configuration."""
   config = default.get_config()
   config.model = "resnet18_torchvision"
   config.policy = "O1"

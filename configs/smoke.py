@@ -13,6 +13,7 @@ from configs import default
 
 
 def get_config():
+  """Returns the smoke configuration."""
   config = default.get_config()
   config.dataset = "synthetic"
   config.synthetic_train_examples = 4096

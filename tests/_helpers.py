@@ -235,10 +235,10 @@ def main(spec_path: str) -> None:
   sys.path.insert(0, TESTS)
   sys.path.insert(0, ROOT)
   # pylint: disable=g-import-not-at-top,unused-import
-  import jax
-  import matplotlib.pyplot
-  import tensorboardX
-  import orbax.checkpoint
+  import jax  # noqa: F401
+  import matplotlib.pyplot  # noqa: F401
+  import tensorboardX  # noqa: F401
+  import orbax.checkpoint  # noqa: F401
   # The parent reads the data (TensorFlow) but never initialises JAX.
   data = load_tiny_data(spec["data_dir"])
   results = []

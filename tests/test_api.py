@@ -8,8 +8,6 @@ import sys
 
 import pytest
 
-import jaxmp
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 APP_ONLY = ("tensorflow", "tensorflow_datasets", "orbax", "ml_collections",
             "absl", "tqdm", "tensorboardX", "matplotlib", "etils")

@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 
-import numpy as np
 import pytest
 
 from _helpers import TMP_MARK, read_log, run_driver

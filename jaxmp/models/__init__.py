@@ -1,5 +1,6 @@
-"""Flax models built from `jaxmp.nn`: ResNet18 with the CIFAR and
-torchvision stems. Needs flax: ``pip install 'jaxmp[flax]'``.
+"""Flax models built from `jaxmp.nn`: ResNet18, CIFAR and torchvision stems.
+
+Needs flax: ``pip install 'jaxmp[flax]'``.
 
 >>> from jaxmp import models
 >>> models.get_model("resnet18", num_classes=100).num_classes

@@ -1,5 +1,6 @@
-"""Flax building blocks for mixed precision. Needs flax:
-``pip install 'jaxmp[flax]'``.
+"""Flax building blocks for mixed precision.
+
+Needs flax: ``pip install 'jaxmp[flax]'``.
 
 * `BatchNorm`: BatchNorm(+residual add)(+ReLU) whose backward pass keeps only
   its half-precision input.
