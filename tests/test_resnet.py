@@ -188,6 +188,8 @@ class ResNetTest(parameterized.TestCase):
       # float32 before rounding, plain flax in float16. Measured ~2e-3.
       ('o1', dict(dtype=f16), 1e-2, 1e-2),
       ('o2', dict(dtype=f16, param_dtype=f16), 1e-2, 1e-2),
+      ('unbiased_var_imagenet', dict(unbiased_running_var=True,
+                                     stem='imagenet'), 1e-5, 1e-4),
   )
   def test_fused_matches_plain_train(self, kwargs, fwd_tol, grad_tol):
     x = _images()
@@ -211,6 +213,23 @@ class ResNetTest(parameterized.TestCase):
     ):  # gradients
       with self.subTest(f'grad{jax.tree_util.keystr(path)}'):
         self.assertLess(_rel_err(a, b), grad_tol)
+
+  def test_unbiased_running_var(self):
+    self.assertTrue(resnet.resnet18_torchvision().unbiased_running_var)
+    self.assertFalse(resnet.resnet18().unbiased_running_var)
+    x = _images()
+    labels = jnp.arange(4) % 10
+    stats = []
+    for unbiased in (False, True):
+      model = _small(unbiased_running_var=unbiased, bn_momentum=0.0)
+      variables = _init(model, x, seed=1)
+      stats.append(_train_step_fn(model)(variables, x, labels)[2])
+    # With momentum 0 the stored variance is the batch variance: the ratio
+    # is n / (n - 1), n = 4 images * 8 * 8 pixels for the stem's bn1.
+    n = 4 * 8 * 8
+    np.testing.assert_allclose(
+        stats[1]['bn1']['var'], stats[0]['bn1']['var'] * n / (n - 1),
+        rtol=1e-6)
 
   def test_fused_matches_plain_eval(self):
     x = _images()

@@ -23,9 +23,10 @@ applies the standard train-mode BatchNorm gradient in float32::
 where sums and means run over every axis but the last (``mean`` is
 ``pmean``-ed over ``axis_name`` when set, as the forward statistics are).
 
-:class:`FusedBatchNorm` wraps it as a Flax module with the same parameters
-(``scale``, ``bias``) and ``batch_stats`` (``mean``, ``var``) as
-``nn.BatchNorm``, updated the same way, so the two are interchangeable.
+:class:`FusedBatchNorm` (public as ``jaxmp.nn.BatchNorm``) wraps it as a
+Flax module with the same arguments, parameters (``scale``, ``bias``),
+``batch_stats`` (``mean``, ``var``) and output dtype as
+``flax.linen.BatchNorm``, so the two are interchangeable.
 """
 
 import functools
@@ -34,6 +35,7 @@ from typing import Any, Callable, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.dtypes import canonicalize_dtype
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -60,28 +62,58 @@ def _moments(
   return mean, jnp.maximum(0.0, mean_sq - jnp.square(mean))
 
 
+def _vma(x) -> frozenset:
+  """Mesh axes along which ``x`` varies (empty outside ``shard_map``)."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, 'vma', None)  # Older jax.
+  if vma is None:  # jax >= 0.10: ``ManualAxisType(varying=...)``.
+    vma = getattr(getattr(aval, 'manual_axis_type', None), 'varying', ())
+  return frozenset(vma or ())
+
+
+def _match_vma(ct: jax.Array, want: frozenset) -> jax.Array:
+  """Makes cotangent ``ct`` vary along exactly the axes in ``want``.
+
+  A cotangent computed from device-varying activations varies along their
+  axes; for a replicated primal (e.g. a parameter under ``shard_map``) it is
+  ``psum``-ed over those axes, as JAX's own transpose of the implicit
+  ``pvary`` does.
+  """
+  have = _vma(ct)
+  extra = tuple(sorted(have - want))
+  if extra:
+    ct = jax.lax.psum(ct, extra)
+  missing = tuple(sorted(want - have))
+  if missing:
+    ct = jax.lax.pcast(ct, missing, to='varying')
+  return ct
+
+
 def _pre_activation(xf, mean, rstd, scale, bias, residual):
-  """``(x - mean) * rstd * scale + bias (+ residual)`` in the dtype of ``xf``."""
+  """``(x - mean) * rstd * scale + bias (+ residual)`` in ``xf``'s dtype."""
   y = (xf - mean) * (rstd * scale.astype(xf.dtype)) + bias.astype(xf.dtype)
   if residual is not None:
     y = y + residual.astype(xf.dtype)
   return y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
 def _fused_train(
-    x, scale, bias, residual, epsilon, relu, axis_name, dtype, res_dtype
+    x, scale, bias, residual, epsilon, relu, axis_name, dtype, res_dtype,
+    vmas,
 ):
   out, _ = _fused_train_fwd(
-      x, scale, bias, residual, epsilon, relu, axis_name, dtype, res_dtype
+      x, scale, bias, residual, epsilon, relu, axis_name, dtype, res_dtype,
+      vmas,
   )
   return out
 
 
 def _fused_train_fwd(
-    x, scale, bias, residual, epsilon, relu, axis_name, dtype, res_dtype
+    x, scale, bias, residual, epsilon, relu, axis_name, dtype, res_dtype,
+    vmas,
 ):
-  del res_dtype  # Only needed in the backward pass.
+  del res_dtype, vmas  # Only needed in the backward pass.
   sdt = _stat_dtype(x.dtype, scale.dtype, bias.dtype)
   xf = x.astype(sdt)
   mean, var = _moments(xf, axis_name)
@@ -99,7 +131,7 @@ def _fused_train_fwd(
 
 
 def _fused_train_bwd(
-    epsilon, relu, axis_name, dtype, res_dtype, saved, cotangents
+    epsilon, relu, axis_name, dtype, res_dtype, vmas, saved, cotangents
 ):
   del epsilon, dtype  # Only needed in the forward pass.
   x, mean, rstd, scale, bias, saved_y = saved
@@ -122,11 +154,13 @@ def _fused_train_bwd(
   if axis_name is not None:
     mean_g, mean_gx = jax.lax.pmean(jnp.stack([mean_g, mean_gx]), axis_name)
   dx = (rstd * scale.astype(sdt)) * (g - mean_g - x_hat * mean_gx)
-  dres = None if res_dtype is None else g.astype(res_dtype)
+  x_vma, scale_vma, bias_vma, res_vma = vmas
+  dres = None if res_dtype is None else _match_vma(
+      g.astype(res_dtype), res_vma)
   return (
-      dx.astype(x.dtype),
-      dscale.astype(scale.dtype),
-      dbias.astype(bias.dtype),
+      _match_vma(dx.astype(x.dtype), x_vma),
+      _match_vma(dscale.astype(scale.dtype), scale_vma),
+      _match_vma(dbias.astype(bias.dtype), bias_vma),
       dres,
   )
 
@@ -173,8 +207,14 @@ def fused_batch_norm(
   """
   dtype = jnp.dtype(x.dtype if dtype is None else dtype)
   res_dtype = None if residual is None else jnp.dtype(residual.dtype)
+  # The primals' varying mesh axes (static), so that the backward pass can
+  # return cotangents of the same types under ``shard_map``.
+  vmas = tuple(
+      frozenset() if a is None else _vma(a) for a in (x, scale, bias, residual)
+  )
   y, mean, var = _fused_train(
-      x, scale, bias, residual, epsilon, relu, axis_name, dtype, res_dtype
+      x, scale, bias, residual, epsilon, relu, axis_name, dtype, res_dtype,
+      vmas,
   )
   return y, jax.lax.stop_gradient(mean), jax.lax.stop_gradient(var)
 
@@ -219,86 +259,148 @@ def batch_norm_inference(
 
 
 class FusedBatchNorm(nn.Module):
-  """Drop-in ``nn.BatchNorm`` (channels last) with fused add/ReLU, lean VJP.
+  """Drop-in ``flax.linen.BatchNorm`` with fused residual add and ReLU.
 
-  Same variables as ``nn.BatchNorm``: params ``scale`` and ``bias`` in
-  ``param_dtype``; ``batch_stats`` ``mean`` and ``var`` (biased batch
-  variance) in float32, updated as ``momentum * old + (1 - momentum) * new``
-  and left untouched during ``init``.
+  Normalises over every axis but the last (``axis=-1``, channels last) with
+  the lean backward pass of :func:`fused_batch_norm`. Variables, their
+  shapes and dtypes, the running-average update and the output dtype are
+  those of ``flax.linen.BatchNorm``: params ``scale`` and ``bias`` in
+  ``param_dtype``; ``batch_stats`` ``mean`` and ``var`` in float32, updated
+  as ``momentum * old + (1 - momentum) * new`` (not during ``init``); output
+  in ``dtype``, by default the promoted dtype of the input and the used
+  parameters (float16 input with float32 parameters gives float32).
 
   Attributes:
-    use_running_average: If True, normalise with the running statistics.
-    momentum: Decay of the running averages (flax convention: torch 0.1 is
-      flax 0.9).
+    use_running_average: If True, normalise with the running statistics;
+      may instead be given at call time.
+    axis: The feature axis; only the last axis (``-1``) is supported.
+    momentum: Decay of the running averages; flax's default 0.99 (torch's
+      ``momentum=0.1`` is ``0.9`` here).
     epsilon: Added to the variance.
-    relu: Whether to apply a ReLU after the (optional) residual add.
-    dtype: Output dtype; defaults to the input's.
-    param_dtype: Dtype of ``scale`` and ``bias`` (float32 keeps BatchNorm in
-      float32, as Apex O2 does).
-    axis_name: Optional mapped axis to average statistics over. Keep None for
-      plain ``jit``.
-    scale_init: Initialiser of ``scale``.
+    dtype: Output dtype; None promotes the input with the parameters.
+    param_dtype: Dtype of ``scale`` and ``bias``.
+    use_bias: Whether to add the learned ``bias``.
+    use_scale: Whether to multiply by the learned ``scale``.
     bias_init: Initialiser of ``bias``.
+    scale_init: Initialiser of ``scale``.
+    axis_name: Optional mapped axis (``vmap``, ``shard_map``, ``pmap``) to
+      average statistics over. Keep None for plain ``jit``.
+    relu: Whether to apply a ReLU after the (optional) residual add; may be
+      overridden at call time.
+    unbiased_running_var: If True, ``batch_stats['var']`` tracks the
+      unbiased batch variance ``n / (n - 1) * var`` (``n`` elements per
+      channel, over all devices of ``axis_name``), as torch's
+      ``BatchNorm2d`` does; training still normalises with the biased one.
+
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxmp import nn as jnn
+  >>> bn = jnn.BatchNorm(use_running_average=False)
+  >>> x = jnp.ones((4, 2, 2, 3), jnp.float16)
+  >>> variables = bn.init(jax.random.key(0), x)
+  >>> y, updates = bn.apply(variables, x, residual=x, relu=True,
+  ...                       mutable=['batch_stats'])
+  >>> y.dtype, y.shape
+  (dtype('float32'), (4, 2, 2, 3))
   """
 
   use_running_average: Optional[bool] = None
-  momentum: float = 0.9
+  axis: int = -1
+  momentum: float = 0.99
   epsilon: float = 1e-5
-  relu: bool = False
   dtype: Optional[Dtype] = None
   param_dtype: Dtype = jnp.float32
-  axis_name: Optional[str] = None
-  scale_init: Initializer = nn.initializers.ones
+  use_bias: bool = True
+  use_scale: bool = True
   bias_init: Initializer = nn.initializers.zeros
+  scale_init: Initializer = nn.initializers.ones
+  axis_name: Optional[str] = None
+  relu: bool = False
+  unbiased_running_var: bool = False
 
   @nn.compact
   def __call__(
       self,
       x: jax.Array,
-      residual: Optional[jax.Array] = None,
       use_running_average: Optional[bool] = None,
+      *,
+      residual: Optional[jax.Array] = None,
+      relu: Optional[bool] = None,
   ) -> jax.Array:
     """Normalises ``x``, adds ``residual`` if given, applies ReLU if set.
 
     Args:
       x: Input, channels last.
-      residual: Optional tensor of the output's shape added before the ReLU.
       use_running_average: Overrides the attribute of the same name.
+      residual: Optional tensor of the output's shape added before the ReLU.
+      relu: Overrides the ``relu`` attribute.
 
     Returns:
-      The output, in ``dtype`` (default: the dtype of ``x``).
+      The output, in ``dtype`` (default: promoted as ``nn.BatchNorm`` does).
     """
     use_running_average = nn.merge_param(
         'use_running_average', self.use_running_average, use_running_average
     )
+    relu = self.relu if relu is None else relu
+    if self.axis not in (-1, x.ndim - 1):
+      raise ValueError(
+          f'jaxmp.nn.BatchNorm normalises the last axis only (axis=-1); got '
+          f'axis={self.axis} for an input of rank {x.ndim}.'
+      )
     features = (x.shape[-1],)
-    stat_dtype = _stat_dtype(self.param_dtype)
     ra_mean = self.variable(
-        'batch_stats', 'mean', lambda s: jnp.zeros(s, stat_dtype), features
+        'batch_stats', 'mean', lambda s: jnp.zeros(s, jnp.float32), features
     )
     ra_var = self.variable(
-        'batch_stats', 'var', lambda s: jnp.ones(s, stat_dtype), features
+        'batch_stats', 'var', lambda s: jnp.ones(s, jnp.float32), features
     )
-    scale = self.param('scale', self.scale_init, features, self.param_dtype)
-    bias = self.param('bias', self.bias_init, features, self.param_dtype)
-    dtype = x.dtype if self.dtype is None else self.dtype
+    promote = [x]
+    if self.use_scale:
+      scale = self.param('scale', self.scale_init, features, self.param_dtype)
+      promote.append(scale)
+    else:
+      scale = jnp.ones(features, jnp.float32)
+    if self.use_bias:
+      bias = self.param('bias', self.bias_init, features, self.param_dtype)
+      promote.append(bias)
+    else:
+      bias = jnp.zeros(features, jnp.float32)
+    dtype = canonicalize_dtype(*promote, dtype=self.dtype)
 
     if use_running_average:
       return batch_norm_inference(
           x, scale, bias, ra_mean.value, ra_var.value, residual,
-          epsilon=self.epsilon, relu=self.relu, dtype=dtype,
+          epsilon=self.epsilon, relu=relu, dtype=dtype,
       )
     initializing = self.is_initializing()
+    # Like nn.BatchNorm: no collective during init (no axis bound then).
+    axis_name = None if initializing else self.axis_name
     y, mean, var = fused_batch_norm(
         x, scale, bias, residual,
-        epsilon=self.epsilon,
-        relu=self.relu,
-        # Like nn.BatchNorm: no collective during init (no axis bound then).
-        axis_name=None if initializing else self.axis_name,
-        dtype=dtype,
+        epsilon=self.epsilon, relu=relu, axis_name=axis_name, dtype=dtype,
     )
     if not initializing:
+      if self.unbiased_running_var:
+        var = var * unbiased_factor(x, axis_name)
       m = self.momentum
-      ra_mean.value = m * ra_mean.value + (1 - m) * mean.astype(stat_dtype)
-      ra_var.value = m * ra_var.value + (1 - m) * var.astype(stat_dtype)
+      ra_mean.value = m * ra_mean.value + (1 - m) * mean.astype(jnp.float32)
+      ra_var.value = m * ra_var.value + (1 - m) * var.astype(jnp.float32)
     return y
+
+
+def unbiased_factor(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
+  """``n / (n - 1)`` for ``n`` elements per channel (last axis) of ``x``.
+
+  Args:
+    x: Input, channels last.
+    axis_name: Optional mapped axis whose size multiplies ``n``.
+
+  Returns:
+    The float32 factor that turns the biased variance into the unbiased one.
+
+  >>> float(unbiased_factor(jnp.zeros((2, 3)), None))
+  2.0
+  """
+  n = jnp.float32(x.size // x.shape[-1])
+  if axis_name is not None:
+    n = n * jax.lax.psum(1, axis_name)
+  return n / jnp.maximum(n - 1, 1)

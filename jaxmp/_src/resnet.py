@@ -12,7 +12,7 @@ Precision follows Apex: ``param_dtype`` for conv/dense weights, ``dtype`` for
 the computation, ``norm_dtype`` for BatchNorm parameters and statistics
 (float32 keeps BatchNorm in float32 as Apex O2 does). Logits are float32.
 With ``fused_norm=True`` (default) each BatchNorm(+add)(+ReLU) is a
-:class:`~jaxmp._src.fused_norm.FusedBatchNorm`, which saves only the
+``jaxmp.nn.BatchNorm``, which saves only the
 half-precision input for the backward pass; ``fused_norm=False`` uses plain
 ``nn.BatchNorm`` + ``nn.relu``. Both give the same variable tree.
 
@@ -29,8 +29,9 @@ Porting torchvision weights (``torch name -> flax path``; convs have no bias)::
 
 Conv weights go from torch's ``OIHW`` to flax's ``HWIO``
 (``w.transpose(2, 3, 1, 0)``) and ``fc.weight`` is transposed. torch keeps
-the unbiased running variance and flax (like this module) the biased one; the
-``n / (n - 1)`` difference is negligible. Padding is explicit (torch's), not
+the unbiased running variance, as this module does with
+``unbiased_running_var=True`` (the default of :data:`resnet18_torchvision`);
+flax's ``nn.BatchNorm`` keeps the biased one. Padding is explicit (torch's), not
 ``"SAME"``, so stride-2 convs line up with torch exactly.
 """
 
@@ -81,6 +82,7 @@ def _norm_act(
     momentum: float,
     epsilon: float,
     axis_name: Optional[str],
+    unbiased_running_var: bool = False,
 ) -> jax.Array:
   """BatchNorm named ``name`` in the current module, then add and ReLU.
 
@@ -97,8 +99,26 @@ def _norm_act(
       name=name,
   )
   if fused:
-    return fused_norm.FusedBatchNorm(relu=relu, **kwargs)(x, residual)
-  y = nn.BatchNorm(**kwargs)(x)
+    return fused_norm.FusedBatchNorm(
+        relu=relu, unbiased_running_var=unbiased_running_var, **kwargs
+    )(x, residual=residual)
+  bn = nn.BatchNorm(**kwargs)
+  y = bn(x)
+  if unbiased_running_var and train and not bn.is_initializing():
+    # nn.BatchNorm stored m * old + (1 - m) * var; add (1 - m) * var / (n-1)
+    # to get m * old + (1 - m) * var * n / (n - 1) (torch's update).
+    xf = x.astype(jnp.float32)
+    axes = tuple(range(x.ndim - 1))
+    mean = jnp.mean(xf, axes)
+    mean_sq = jnp.mean(jnp.square(xf), axes)
+    if axis_name is not None:
+      mean, mean_sq = jax.lax.pmean(jnp.stack([mean, mean_sq]), axis_name)
+    var = jnp.maximum(0.0, mean_sq - jnp.square(mean))
+    extra = fused_norm.unbiased_factor(x, axis_name) - 1
+    new = bn.get_variable('batch_stats', 'var')
+    bn.put_variable(
+        'batch_stats', 'var', new + (1 - momentum) * extra * var
+    )
   if residual is not None:
     y = y + residual
   return nn.relu(y) if relu else y
@@ -154,12 +174,15 @@ class ResNet(nn.Module):
     axis_name: Mapped axis for cross-device BatchNorm; None for plain ``jit``.
     init_scheme: ``"flax"`` (flax defaults) or ``"torchvision"``
       initialisers. (Not ``init``: that would shadow ``Module.init``.)
-    fused_norm: Use :class:`FusedBatchNorm` (lean backward residuals) instead
+    fused_norm: Use ``jaxmp.nn.BatchNorm`` (lean backward residuals) instead
       of ``nn.BatchNorm`` + ``nn.relu``.
+    unbiased_running_var: Track torch's unbiased running variance
+      (``n / (n - 1)`` times the batch variance) in ``batch_stats['var']``;
+      the default of :data:`resnet18_torchvision`.
     tap_kernel_grads: On CPU, compute conv kernel gradients as one matrix
-      product per kernel tap (``jaxmp/_src/conv.py``; 4-17x faster than
-      XLA:CPU's own at CIFAR sizes). Same values up to fp32 rounding; no
-      effect on other platforms.
+      product per kernel tap (``jaxmp.nn.conv_general_dilated``; 4-17x
+      faster than XLA:CPU's own at CIFAR sizes). Same values up to fp32
+      rounding; no effect on other platforms.
   """
 
   stage_sizes: Sequence[int]
@@ -175,6 +198,7 @@ class ResNet(nn.Module):
   init_scheme: str = 'flax'
   fused_norm: bool = True
   tap_kernel_grads: bool = True
+  unbiased_running_var: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
@@ -214,6 +238,7 @@ class ResNet(nn.Module):
         momentum=self.bn_momentum,
         epsilon=self.bn_epsilon,
         axis_name=self.axis_name,
+        unbiased_running_var=self.unbiased_running_var,
     )
 
     x = jnp.asarray(x, self.dtype)
@@ -255,7 +280,7 @@ class ResNet(nn.Module):
 resnet18 = functools.partial(ResNet, stage_sizes=(2, 2, 2, 2), stem='cifar')
 resnet18_torchvision = functools.partial(
     ResNet, stage_sizes=(2, 2, 2, 2), stem='imagenet',
-    init_scheme='torchvision',
+    init_scheme='torchvision', unbiased_running_var=True,
 )
 
 _MODELS = {
