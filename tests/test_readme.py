@@ -24,6 +24,17 @@ def test_readme_starts_with_install_and_test_commands():
     first_block = re.search(r"```bash\n(.*?)```", f.read(), re.S).group(1)
   lines = first_block.strip().splitlines()
   assert "pip install -e \".[dev]\"" in lines[0]
-  assert lines[1] == "python -m pytest -q -n 2 tests"
+  test_command = ("python -m pytest -q -n 2 && JAXMP_DEFAULT_XLA_FLAGS=1 "
+                  "python -m pytest -q -n 2 -m invariant")
+  assert lines[1] == test_command
+  assert lines[2].startswith("pip install .")
   with open(os.path.join(ROOT, ".ci", "run")) as f:
-    assert "python -m pytest -q -n 2 tests" in f.read()
+    assert test_command in f.read()
+
+
+def test_every_python_block_of_the_readme_runs():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+  assert len(blocks) >= 5
+  for i, block in enumerate(blocks):
+    exec(compile(block, f"README.md block {i}", "exec"), {})  # pylint: disable=exec-used

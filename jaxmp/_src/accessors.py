@@ -58,17 +58,19 @@ def find_state(opt_state: Any) -> mp.MixedPrecisionState:
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
   """Multiplies ``loss`` by the current loss scale (Apex's ``amp.scale_loss``).
 
-  Compute the loss in fp32 before scaling it.
+  A half-precision loss is promoted to fp32 first, as Apex's
+  ``loss.float() * scale``: a float16 loss of 3.0 times 2**15 would be inf.
 
   Args:
     loss: a scalar loss.
     opt_state: the optax state holding a `mixed_precision` state.
 
   Returns:
-    ``loss * scale`` in ``loss``'s dtype.
+    ``loss * scale`` in fp32 (or in ``loss``'s dtype if it is wider).
   """
   loss = jnp.asarray(loss)
-  return loss * find_state(opt_state).loss_scale.astype(loss.dtype)
+  dtype = jnp.promote_types(loss.dtype, jnp.float32)
+  return loss.astype(dtype) * find_state(opt_state).loss_scale.astype(dtype)
 
 
 def loss_scale(opt_state: Any) -> mp.LossScale:
