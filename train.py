@@ -17,10 +17,15 @@ from absl import flags
 from ml_collections import config_flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "Directory for metrics, plots, "
-                    "TensorBoard events and checkpoints (resumed if present).")
+flags.DEFINE_string(
+  "workdir",
+  None,
+  "Directory for metrics, plots, "
+  "TensorBoard events and checkpoints (resumed if present).",
+)
 config_flags.DEFINE_config_file(
-    "config", None, "Training configuration file.", lock_config=True)
+  "config", None, "Training configuration file.", lock_config=True
+)
 
 
 def _config_path(argv):
@@ -51,14 +56,16 @@ def _config_file_error(argv):
     _load_config(file)
   except Exception as e:  # pylint: disable=broad-except
     first = str(e).splitlines()[0] if str(e) else ""
-    return (f"config file {file!r} could not be loaded: "
-            f"{type(e).__name__}: {first}")
+    return (
+      f"config file {file!r} could not be loaded: {type(e).__name__}: {first}"
+    )
   return None
 
 
 def _flag_error(argv, error) -> str:
   """The one line to print for a flag that could not be parsed."""
   from cifar_train import cli  # pylint: disable=g-import-not-at-top
+
   path = _config_path(argv)
   if path is not None:
     config = _load_config(path.split(":", 1)[0])
@@ -81,6 +88,7 @@ def main(argv):
     raise app.UsageError("--workdir=DIR is required")
   # Imported here so that flag errors come back in well under a second.
   from cifar_train import cli  # pylint: disable=g-import-not-at-top
+
   return cli.run(FLAGS.config, FLAGS.workdir)
 
 

@@ -27,8 +27,9 @@ class BasicBlock(nn.Module):
     self.downsample = None
     if stride != 1 or in_ch != out_ch:
       self.downsample = nn.Sequential(
-          nn.Conv2d(in_ch, out_ch, 1, stride, 0, bias=False),
-          nn.BatchNorm2d(out_ch))
+        nn.Conv2d(in_ch, out_ch, 1, stride, 0, bias=False),
+        nn.BatchNorm2d(out_ch),
+      )
 
   def forward(self, x: torch.Tensor) -> torch.Tensor:
     y = torch.relu(self.bn1(self.conv1(x)))

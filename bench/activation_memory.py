@@ -54,8 +54,11 @@ class _PlainBlock(nn.Module):
   def __call__(self, x, train):
     conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
     norm = functools.partial(
-        nn.BatchNorm, use_running_average=not train, momentum=0.9,
-        epsilon=1e-5, dtype=self.dtype,
+      nn.BatchNorm,
+      use_running_average=not train,
+      momentum=0.9,
+      epsilon=1e-5,
+      dtype=self.dtype,
     )
     s = (self.strides, self.strides)
     y = nn.relu(norm()(conv(self.features, (3, 3), s, padding=1)(x)))
@@ -75,20 +78,25 @@ class PlainResNet18(nn.Module):
   def __call__(self, x, train):
     x = jnp.asarray(x, self.dtype)
     x = nn.Conv(64, (3, 3), padding=1, use_bias=False, dtype=self.dtype)(x)
-    x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9,
-                             epsilon=1e-5, dtype=self.dtype)(x))
+    x = nn.relu(
+      nn.BatchNorm(
+        use_running_average=not train,
+        momentum=0.9,
+        epsilon=1e-5,
+        dtype=self.dtype,
+      )(x)
+    )
     for i in range(4):
       for j in range(2):
-        x = _PlainBlock(64 * 2**i, 2 if i > 0 and j == 0 else 1,
-                        self.dtype)(x, train)
+        x = _PlainBlock(64 * 2**i, 2 if i > 0 and j == 0 else 1, self.dtype)(
+          x, train
+        )
     x = jnp.mean(x, axis=(1, 2))
     x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
     return jnp.asarray(x, jnp.float32)
 
 
-def saved_residual_bytes(
-    f: Callable[..., Any], *args: Any
-) -> tuple[int, int]:
+def saved_residual_bytes(f: Callable[..., Any], *args: Any) -> tuple[int, int]:
   """Bytes of the residuals a VJP of ``f`` w.r.t. ``args[0]`` keeps.
 
   Traces only (``args`` may be ``jax.ShapeDtypeStruct``); the other
@@ -106,18 +114,21 @@ def saved_residual_bytes(
     Both count each distinct residual once.
   """
   closed, out_shape = jax.make_jaxpr(
-      lambda x, *rest: jax.vjp(lambda x: f(x, *rest), x), return_shape=True
+    lambda x, *rest: jax.vjp(lambda x: f(x, *rest), x), return_shape=True
   )(*args)
   jaxpr = closed.jaxpr
   num_res = len(jax.tree.leaves(out_shape[1]))
-  outs = jaxpr.outvars[len(jaxpr.outvars) - num_res:]
+  outs = jaxpr.outvars[len(jaxpr.outvars) - num_res :]
   # Like saved_residuals: look through reduce_precision to its operand.
-  subst = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns
-           if e.primitive.name == 'reduce_precision'}
+  subst = {
+    e.outvars[0]: e.invars[0]
+    for e in jaxpr.eqns
+    if e.primitive.name == "reduce_precision"
+  }
   invars = set(jaxpr.invars)
   seen, act, arg = set(), 0, 0
   for v in outs:
-    literal = hasattr(v, 'val')
+    literal = hasattr(v, "val")
     if not literal:
       v = subst.get(v, v)
       if v in seen:
@@ -136,49 +147,59 @@ def step_residual_bytes(model: nn.Module) -> tuple[int, int]:
   images = jax.ShapeDtypeStruct((BATCH, *IMAGE_SHAPE), jnp.float32)
   labels = jax.ShapeDtypeStruct((BATCH,), jnp.int32)
   variables = jax.eval_shape(
-      lambda x: model.init(jax.random.key(0), x, train=False), images
+    lambda x: model.init(jax.random.key(0), x, train=False), images
   )
 
   def loss_fn(params, batch_stats, images, labels):
     logits, updates = model.apply(
-        {'params': params, 'batch_stats': batch_stats}, images, train=True,
-        mutable=['batch_stats'],
+      {"params": params, "batch_stats": batch_stats},
+      images,
+      train=True,
+      mutable=["batch_stats"],
     )
     loss = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), labels
+      logits.astype(jnp.float32), labels
     ).mean()
     return loss, updates
 
   return saved_residual_bytes(
-      lambda p, s, x, y: loss_fn(p, s, x, y)[0],
-      variables['params'], variables['batch_stats'], images, labels,
+    lambda p, s, x, y: loss_fn(p, s, x, y)[0],
+    variables["params"],
+    variables["batch_stats"],
+    images,
+    labels,
   )
 
 
 def main() -> None:
   f16, bf16, f32 = jnp.float16, jnp.bfloat16, jnp.float32
   variants = {
-      'plain flax fp32 (reference)': PlainResNet18(dtype=f32),
-      'plain flax dtype=fp16': PlainResNet18(dtype=f16),
-      'jaxmp O0 (fp32)': resnet18(),
-      'jaxmp O1 (fp32 params, fp16)': resnet18(dtype=f16),
-      'jaxmp O2 (fp16 params, fp16)': resnet18(
-          dtype=f16, param_dtype=f16, norm_dtype=f32),
-      'jaxmp bf16 (fp32 params)': resnet18(dtype=bf16),
+    "plain flax fp32 (reference)": PlainResNet18(dtype=f32),
+    "plain flax dtype=fp16": PlainResNet18(dtype=f16),
+    "jaxmp O0 (fp32)": resnet18(),
+    "jaxmp O1 (fp32 params, fp16)": resnet18(dtype=f16),
+    "jaxmp O2 (fp16 params, fp16)": resnet18(
+      dtype=f16, param_dtype=f16, norm_dtype=f32
+    ),
+    "jaxmp bf16 (fp32 params)": resnet18(dtype=bf16),
   }
   results = {k: step_residual_bytes(m) for k, m in variants.items()}
-  ref_act, ref_arg = results['plain flax fp32 (reference)']
+  ref_act, ref_arg = results["plain flax fp32 (reference)"]
   ref_all = ref_act + ref_arg
   mb = 1e6
-  print(f'ResNet18 CIFAR, batch {BATCH}, bytes saved for the backward pass')
-  print(f'{"variant":30s} {"activ. MB":>9s} {"ratio":>6s}'
-        f' {"w/ args MB":>10s} {"ratio":>6s}')
+  print(f"ResNet18 CIFAR, batch {BATCH}, bytes saved for the backward pass")
+  print(
+    f"{'variant':30s} {'activ. MB':>9s} {'ratio':>6s}"
+    f" {'w/ args MB':>10s} {'ratio':>6s}"
+  )
   for name, (act, arg) in results.items():
-    print(f'{name:30s} {act / mb:9.1f} {act / ref_act:6.3f}'
-          f' {(act + arg) / mb:10.1f} {(act + arg) / ref_all:6.3f}')
-  o2 = results['jaxmp O2 (fp16 params, fp16)'][0]
-  print(f'activation_bytes_ratio_fp16_over_fp32: {o2 / ref_act:.3f}')
+    print(
+      f"{name:30s} {act / mb:9.1f} {act / ref_act:6.3f}"
+      f" {(act + arg) / mb:10.1f} {(act + arg) / ref_all:6.3f}"
+    )
+  o2 = results["jaxmp O2 (fp16 params, fp16)"][0]
+  print(f"activation_bytes_ratio_fp16_over_fp32: {o2 / ref_act:.3f}")
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
   main()

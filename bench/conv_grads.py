@@ -60,47 +60,59 @@ def stage(size: int, channels: int) -> dict:
 
   def xla_grad(x, dy):
     def f(w):
-      return lax.conv_general_dilated(x, w, (1, 1), _PAD,
-                                      dimension_numbers=_DN)
+      return lax.conv_general_dilated(x, w, (1, 1), _PAD, dimension_numbers=_DN)
+
     return jax.vjp(f, jw)[1](dy)[0]
 
   xla = jax.jit(xla_grad)
+
   def taps_grad(x, dy):
     def f(w):
-      return jaxmp_nn.conv_general_dilated(x, w, (1, 1), _PAD,
-                                           dimension_numbers=_DN)
+      return jaxmp_nn.conv_general_dilated(
+        x, w, (1, 1), _PAD, dimension_numbers=_DN
+      )
+
     return jax.vjp(f, jw)[1](dy)[0]
 
   taps = jax.jit(taps_grad)
   want = np.asarray(xla(jx, jdy))
-  np.testing.assert_allclose(np.asarray(taps(jx, jdy)), want, rtol=1e-3,
-                             atol=1e-3 * np.abs(want).max())
+  np.testing.assert_allclose(
+    np.asarray(taps(jx, jdy)), want, rtol=1e-3, atol=1e-3 * np.abs(want).max()
+  )
   tx = torch.from_numpy(x.transpose(0, 3, 1, 2).copy())
   tdy = torch.from_numpy(dy.transpose(0, 3, 1, 2).copy())
   tshape = (channels, channels, 3, 3)
-  return _timed({
+  return _timed(
+    {
       "xla": lambda: xla(jx, jdy).block_until_ready(),
       "taps": lambda: taps(jx, jdy).block_until_ready(),
-      "torch": lambda: torch.nn.grad.conv2d_weight(tx, tshape, tdy,
-                                                   padding=1),
-  }, REPS)
+      "torch": lambda: torch.nn.grad.conv2d_weight(tx, tshape, tdy, padding=1),
+    },
+    REPS,
+  )
 
 
 def main():
   torch.set_num_threads(os.cpu_count())
-  print(f"jax {jax.__version__}, torch {torch.__version__}, "
-        f"{os.cpu_count()} cpus; 3x3 conv kernel gradient, batch {BATCH}, "
-        f"fp32, {REPS} interleaved reps, median")
-  print(f"{'stage':<14}{'xla ms':>9}{'taps ms':>9}{'torch ms':>10}"
-        f"{'xla/torch':>11}{'taps/torch':>12}")
+  print(
+    f"jax {jax.__version__}, torch {torch.__version__}, "
+    f"{os.cpu_count()} cpus; 3x3 conv kernel gradient, batch {BATCH}, "
+    f"fp32, {REPS} interleaved reps, median"
+  )
+  print(
+    f"{'stage':<14}{'xla ms':>9}{'taps ms':>9}{'torch ms':>10}"
+    f"{'xla/torch':>11}{'taps/torch':>12}"
+  )
   worst = 0.0
   for size, channels in STAGES:
     t = stage(size, channels)
     worst = max(worst, t["taps"] / t["torch"])
-    print(f"{f'{size}x{size}x{channels}':<14}{t['xla'] * 1e3:>9.0f}"
-          f"{t['taps'] * 1e3:>9.0f}{t['torch'] * 1e3:>10.0f}"
-          f"{t['xla'] / t['torch']:>11.2f}{t['taps'] / t['torch']:>12.2f}",
-          flush=True)
+    print(
+      f"{f'{size}x{size}x{channels}':<14}{t['xla'] * 1e3:>9.0f}"
+      f"{t['taps'] * 1e3:>9.0f}{t['torch'] * 1e3:>10.0f}"
+      f"{t['xla'] / t['torch']:>11.2f}{t['taps'] / t['torch']:>12.2f}",
+      flush=True,
+    )
   print(f"kernel_grad_taps_over_torch: {worst:.2f}")
 
 

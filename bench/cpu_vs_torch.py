@@ -56,27 +56,31 @@ import subprocess
 import sys
 import time
 
-_YNN_CONV = ("--xla_cpu_experimental_ynn_fusion_type="
-             "LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION")
-_ONEDNN_CONV = ("--xla_cpu_experimental_onednn_fusion_type="
-                "LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION")
+_YNN_CONV = (
+  "--xla_cpu_experimental_ynn_fusion_type="
+  "LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION"
+)
+_ONEDNN_CONV = (
+  "--xla_cpu_experimental_onednn_fusion_type="
+  "LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION"
+)
 
 # name -> (XLA_FLAGS, worker options).
 SWEEP = (
-    ("default", "", {}),
-    ("XLA's conv kernel gradients", "", {"tap_kernel_grads": False}),
-    ("forward only (eval, no grad)", "", {"unit": "forward"}),
-    ("fused_norm=False", "", {"fused_norm": False}),
-    ("precision highest", "", {"precision": "highest"}),
-    ("fast_math", "--xla_cpu_enable_fast_math=true", {}),
-    ("multi_thread_eigen=false", "--xla_cpu_multi_thread_eigen=false", {}),
-    ("use_thunk_runtime=false", "--xla_cpu_use_thunk_runtime=false", {}),
-    ("ynn conv fusion", _YNN_CONV, {}),
-    ("onednn conv fusion", _ONEDNN_CONV, {}),
-    ("use_onednn", "--xla_cpu_use_onednn=true", {}),
-    ("use_xnnpack", "--xla_cpu_use_xnnpack=true", {}),
-    ("torch channels_last", "", {"torch_channels_last": True}),
-    ("torch 1 thread", "", {"torch_threads": 1}),
+  ("default", "", {}),
+  ("XLA's conv kernel gradients", "", {"tap_kernel_grads": False}),
+  ("forward only (eval, no grad)", "", {"unit": "forward"}),
+  ("fused_norm=False", "", {"fused_norm": False}),
+  ("precision highest", "", {"precision": "highest"}),
+  ("fast_math", "--xla_cpu_enable_fast_math=true", {}),
+  ("multi_thread_eigen=false", "--xla_cpu_multi_thread_eigen=false", {}),
+  ("use_thunk_runtime=false", "--xla_cpu_use_thunk_runtime=false", {}),
+  ("ynn conv fusion", _YNN_CONV, {}),
+  ("onednn conv fusion", _ONEDNN_CONV, {}),
+  ("use_onednn", "--xla_cpu_use_onednn=true", {}),
+  ("use_xnnpack", "--xla_cpu_use_xnnpack=true", {}),
+  ("torch channels_last", "", {"torch_channels_last": True}),
+  ("torch 1 thread", "", {"torch_threads": 1}),
 )
 SWEEP_SIZE = (32, 32)  # filters, batch.
 FULL_SIZE = (64, 128)
@@ -104,12 +108,16 @@ def worker(opts: dict) -> dict:
   y = rng.integers(0, 10, batch)
 
   # JAX.
-  model = resnet18(num_classes=10, num_filters=filters,
-                          fused_norm=opts.get("fused_norm", True),
-                          tap_kernel_grads=opts.get("tap_kernel_grads", True))
+  model = resnet18(
+    num_classes=10,
+    num_filters=filters,
+    fused_norm=opts.get("fused_norm", True),
+    tap_kernel_grads=opts.get("tap_kernel_grads", True),
+  )
   images, labels = jnp.asarray(x), jnp.asarray(y, jnp.int32)
   variables = jax.jit(lambda k: model.init(k, images[:1], train=False))(
-      jax.random.key(0))
+    jax.random.key(0)
+  )
   opt = optax.sgd(0.1, momentum=0.9)
 
   precision = opts.get("precision")
@@ -119,9 +127,13 @@ def worker(opts: dict) -> dict:
       jax_fn = lambda: jax.block_until_ready(fwd(variables, images))
     else:
       jstep = step_overhead.make_step(model, opt, scaled=False)
-      holder = {"s": {"params": variables["params"],
-                      "batch_stats": variables["batch_stats"],
-                      "opt": opt.init(variables["params"])}}
+      holder = {
+        "s": {
+          "params": variables["params"],
+          "batch_stats": variables["batch_stats"],
+          "opt": opt.init(variables["params"]),
+        }
+      }
 
       def jax_fn():
         holder["s"], _ = jstep(holder["s"], images, labels)
@@ -164,9 +176,11 @@ def worker(opts: dict) -> dict:
         times[k].append(time.perf_counter() - t)
       order.reverse()
   ratios = [a / b for a, b in zip(times["jax"], times["torch"])]
-  return {"jax_ms": statistics.median(times["jax"]) * 1e3,
-          "torch_ms": statistics.median(times["torch"]) * 1e3,
-          "ratio": statistics.median(ratios)}
+  return {
+    "jax_ms": statistics.median(times["jax"]) * 1e3,
+    "torch_ms": statistics.median(times["torch"]) * 1e3,
+    "ratio": statistics.median(ratios),
+  }
 
 
 class _null:  # pylint: disable=invalid-name
@@ -184,14 +198,18 @@ def run_row(flags: str, opts: dict) -> dict:
   env["TF_CPP_MIN_LOG_LEVEL"] = "2"
   try:
     out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker",
-         json.dumps(opts)], env=env, capture_output=True, text=True,
-        timeout=WORKER_TIMEOUT_S, check=False)
+      [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(opts)],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=WORKER_TIMEOUT_S,
+      check=False,
+    )
   except subprocess.TimeoutExpired:
     return {"error": "timeout"}
   for line in reversed(out.stdout.splitlines()):
     if line.startswith("RESULT "):
-      return json.loads(line[len("RESULT "):])
+      return json.loads(line[len("RESULT ") :])
   tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
   return {"error": tail[:70]}
 
@@ -199,14 +217,18 @@ def run_row(flags: str, opts: dict) -> dict:
 def main():
   import torch  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
+
   quick = os.environ.get("BENCH_QUICK", "0") == "1"
   sweep_reps = int(os.environ.get("BENCH_REPS", "5"))
-  print(f"jax {jax.__version__}, torch {torch.__version__}, "
-        f"{os.cpu_count()} cpus; fp32 ResNet18 CIFAR train step; each row a "
-        "fresh process, JAX and torch alternated, warm-up excluded, median of "
-        "per-rep ratios")
-  print(f"{'setting':<30}{'size':>8}{'jax ms':>9}{'torch ms':>10}"
-        f"{'jax/torch':>11}")
+  print(
+    f"jax {jax.__version__}, torch {torch.__version__}, "
+    f"{os.cpu_count()} cpus; fp32 ResNet18 CIFAR train step; each row a "
+    "fresh process, JAX and torch alternated, warm-up excluded, median of "
+    "per-rep ratios"
+  )
+  print(
+    f"{'setting':<30}{'size':>8}{'jax ms':>9}{'torch ms':>10}{'jax/torch':>11}"
+  )
   results = {}
 
   def show(name, size, r):
@@ -214,32 +236,52 @@ def main():
     if "error" in r:
       print(f"{name:<30}{tag:>8}  error: {r['error']}", flush=True)
     else:
-      print(f"{name:<30}{tag:>8}{r['jax_ms']:>9.0f}{r['torch_ms']:>10.0f}"
-            f"{r['ratio']:>11.2f}", flush=True)
+      print(
+        f"{name:<30}{tag:>8}{r['jax_ms']:>9.0f}{r['torch_ms']:>10.0f}"
+        f"{r['ratio']:>11.2f}",
+        flush=True,
+      )
 
   for name, flags, extra in SWEEP:
-    opts = {"filters": SWEEP_SIZE[0], "batch": SWEEP_SIZE[1],
-            "reps": sweep_reps, **extra}
+    opts = {
+      "filters": SWEEP_SIZE[0],
+      "batch": SWEEP_SIZE[1],
+      "reps": sweep_reps,
+      **extra,
+    }
     results[name] = run_row(flags, opts)
     show(name, SWEEP_SIZE, results[name])
   # Best JAX-side setting: rows that change only JAX, full steps.
-  candidates = [(n, f, e) for n, f, e in SWEEP
-                if "error" not in results[n] and not any(
-                    k in e for k in ("unit", "torch_threads",
-                                     "torch_channels_last"))]
+  candidates = [
+    (n, f, e)
+    for n, f, e in SWEEP
+    if "error" not in results[n]
+    and not any(
+      k in e for k in ("unit", "torch_threads", "torch_channels_last")
+    )
+  ]
   best = min(candidates, key=lambda c: results[c[0]]["ratio"])
-  print(f"best JAX setting in the sweep: {best[0]} "
-        f"({results[best[0]]['ratio']:.2f}x torch)")
+  print(
+    f"best JAX setting in the sweep: {best[0]} "
+    f"({results[best[0]]['ratio']:.2f}x torch)"
+  )
   headline = results[best[0]]["ratio"]
   if not quick:
     full_reps = int(os.environ.get("BENCH_FULL_REPS", "3"))
-    rows = [("XLA's conv kernel gradients", "", {"tap_kernel_grads": False}),
-            ("default", "", {})]
+    rows = [
+      ("XLA's conv kernel gradients", "", {"tap_kernel_grads": False}),
+      ("default", "", {}),
+    ]
     if best[0] != "default":
       rows.append((best[0], best[1], best[2]))
     for name, flags, extra in rows:
-      opts = {"filters": FULL_SIZE[0], "batch": FULL_SIZE[1],
-              "reps": full_reps, "warmup": 1, **extra}
+      opts = {
+        "filters": FULL_SIZE[0],
+        "batch": FULL_SIZE[1],
+        "reps": full_reps,
+        "warmup": 1,
+        **extra,
+      }
       r = run_row(flags, opts)
       show(name, FULL_SIZE, r)
       if "error" not in r:

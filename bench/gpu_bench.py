@@ -115,46 +115,65 @@ def jax_maker(preset_name: str, precision: str, filters: int):
 
   def make(batch):
     model = resnet18(
-        num_classes=10, num_filters=filters, dtype=policy.compute_dtype,
-        param_dtype=policy.param_dtype,
-        norm_dtype=jnp.float32 if preset.keep_batchnorm_fp32 else
-        policy.param_dtype)
-    loss_scale = (jmp.DynamicLossScale(np.float32(2.0**15))
-                  if preset.loss_scale == "dynamic" else jmp.NoOpLossScale())
-    opt = jaxmp.mixed_precision(optax.sgd(0.1, momentum=0.9),
-                                loss_scale=loss_scale,
-                                master_weights=preset.master_weights)
+      num_classes=10,
+      num_filters=filters,
+      dtype=policy.compute_dtype,
+      param_dtype=policy.param_dtype,
+      norm_dtype=jnp.float32
+      if preset.keep_batchnorm_fp32
+      else policy.param_dtype,
+    )
+    loss_scale = (
+      jmp.DynamicLossScale(np.float32(2.0**15))
+      if preset.loss_scale == "dynamic"
+      else jmp.NoOpLossScale()
+    )
+    opt = jaxmp.mixed_precision(
+      optax.sgd(0.1, momentum=0.9),
+      loss_scale=loss_scale,
+      master_weights=preset.master_weights,
+    )
     rng = np.random.default_rng(0)
-    images = jax.device_put(
-        rng.standard_normal((batch, 32, 32, 3), np.float32))
+    images = jax.device_put(rng.standard_normal((batch, 32, 32, 3), np.float32))
     labels = jax.device_put(rng.integers(0, 10, batch).astype(np.int32))
     with jax.default_matmul_precision(precision):
       variables = jax.jit(lambda k: model.init(k, images[:1], train=False))(
-          jax.random.key(0))
+        jax.random.key(0)
+      )
 
     def step(state, images, labels):
       images = images.astype(policy.compute_dtype)
 
       def loss_fn(params):
         logits, new_vars = model.apply(
-            {"params": params, "batch_stats": state["batch_stats"]}, images,
-            train=True, mutable=["batch_stats"])
+          {"params": params, "batch_stats": state["batch_stats"]},
+          images,
+          train=True,
+          mutable=["batch_stats"],
+        )
         loss = optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), labels).mean()
+          logits.astype(jnp.float32), labels
+        ).mean()
         return jaxmp.scale_loss(loss, state["opt"]), new_vars["batch_stats"]
 
       grads, stats = jax.grad(loss_fn, has_aux=True)(state["params"])
       updates, opt_state = opt.update(grads, state["opt"], state["params"])
-      stats = jaxmp.rollback_if_skipped(opt_state, stats,
-                                        state["batch_stats"])
-      return {"params": optax.apply_updates(state["params"], updates),
-              "batch_stats": stats, "opt": opt_state}
+      stats = jaxmp.rollback_if_skipped(opt_state, stats, state["batch_stats"])
+      return {
+        "params": optax.apply_updates(state["params"], updates),
+        "batch_stats": stats,
+        "opt": opt_state,
+      }
 
     with jax.default_matmul_precision(precision):
       jstep = jax.jit(step, donate_argnums=(0,))
-    holder = {"s": {"params": variables["params"],
-                    "batch_stats": variables["batch_stats"],
-                    "opt": opt.init(variables["params"])}}
+    holder = {
+      "s": {
+        "params": variables["params"],
+        "batch_stats": variables["batch_stats"],
+        "opt": opt.init(variables["params"]),
+      }
+    }
 
     def run(n):
       s = holder["s"]
@@ -192,8 +211,11 @@ def torch_maker(amp: bool, compile_: bool, filters: int):
     scaler = torch.amp.GradScaler(dev, enabled=amp)
     loss_f = torch.nn.CrossEntropyLoss()
     # inductor on the GPU; "eager" on a CPU smoke run (no C++ toolchain).
-    model = (torch.compile(net, backend="inductor" if dev == "cuda" else
-                           "eager") if compile_ else net)
+    model = (
+      torch.compile(net, backend="inductor" if dev == "cuda" else "eager")
+      if compile_
+      else net
+    )
 
     def one():
       sgd.zero_grad(set_to_none=True)
@@ -228,23 +250,42 @@ def train_run(smoke: bool, timeout_s: float) -> str:
   if timeout_s < 30:
     return "skipped: time guard"
   steps = 4 if smoke else 300
-  overrides = ["--config.dataset=synthetic", f"--config.num_train_steps={steps}",
-               "--config.num_epochs=1", "--config.progress_bar=False",
-               "--config.synthetic_train_examples=10000",
-               "--config.synthetic_test_examples=1000",
-               "--config.data_on_device=True", "--config.log_every_steps=100"]
+  overrides = [
+    "--config.dataset=synthetic",
+    f"--config.num_train_steps={steps}",
+    "--config.num_epochs=1",
+    "--config.progress_bar=False",
+    "--config.synthetic_train_examples=10000",
+    "--config.synthetic_test_examples=1000",
+    "--config.data_on_device=True",
+    "--config.log_every_steps=100",
+  ]
   if smoke:
-    overrides += ["--config.num_filters=8", "--config.batch_size=16",
-                  "--config.eval_batch_size=100",
-                  "--config.synthetic_train_examples=256",
-                  "--config.synthetic_test_examples=100"]
+    overrides += [
+      "--config.num_filters=8",
+      "--config.batch_size=16",
+      "--config.eval_batch_size=100",
+      "--config.synthetic_train_examples=256",
+      "--config.synthetic_test_examples=100",
+    ]
   with tempfile.TemporaryDirectory() as workdir:
-    cmd = [sys.executable, os.path.join(REPO, "train.py"),
-           "--config", os.path.join(REPO, "configs", "default.py"),
-           "--workdir", os.path.join(workdir, "run")] + overrides
+    cmd = [
+      sys.executable,
+      os.path.join(REPO, "train.py"),
+      "--config",
+      os.path.join(REPO, "configs", "default.py"),
+      "--workdir",
+      os.path.join(workdir, "run"),
+    ] + overrides
     try:
-      out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                           timeout=timeout_s, check=False)
+      out = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+      )
     except subprocess.TimeoutExpired:
       return f"stopped by the time guard after {timeout_s:.0f} s"
     summary_path = os.path.join(workdir, "run", "summary.json")
@@ -253,9 +294,11 @@ def train_run(smoke: bool, timeout_s: float) -> str:
       return f"failed (rc {out.returncode}): {tail[:100]}"
     with open(summary_path) as f:
       s = json.load(f)
-  return (f"O2, {s['steps']} steps (batch {128 if not smoke else 16}) in "
-          f"{s['wall_seconds']:.0f} s wall incl. data generation and "
-          f"compile; test acc {s['test_accuracy']:.3f}")
+  return (
+    f"O2, {s['steps']} steps (batch {128 if not smoke else 16}) in "
+    f"{s['wall_seconds']:.0f} s wall incl. data generation and "
+    f"compile; test acc {s['test_accuracy']:.3f}"
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -263,8 +306,11 @@ def train_run(smoke: bool, timeout_s: float) -> str:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--smoke", action="store_true",
-                      help="tiny model and batches, one window (CPU check)")
+  parser.add_argument(
+    "--smoke",
+    action="store_true",
+    help="tiny model and batches, one window (CPU check)",
+  )
   parser.add_argument("--budget_s", type=float, default=400.0)
   parser.add_argument("--windows", type=int, default=7)
   args = parser.parse_args()
@@ -284,31 +330,43 @@ def main():
 
   # Priority order: the headline entries first, torch.compile (slow to
   # build) last, so the time guard drops the least important.
-  jax_rows = [("jax O2 fp16", "O2", "default"),
-              ("jax O0 tf32", "O0", "tensorfloat32"),
-              ("jax O0 fp32", "O0", "highest"),
-              ("jax bf16", "bf16", "default")]
-  torch_rows = [("torch amp cl", True, False), ("torch fp32", False, False),
-                ("torch amp cl compile", True, True)]
+  jax_rows = [
+    ("jax O2 fp16", "O2", "default"),
+    ("jax O0 tf32", "O0", "tensorfloat32"),
+    ("jax O0 fp32", "O0", "highest"),
+    ("jax bf16", "bf16", "default"),
+  ]
+  torch_rows = [
+    ("torch amp cl", True, False),
+    ("torch fp32", False, False),
+    ("torch amp cl compile", True, True),
+  ]
   entries = []
   for b in (big, batches[0]):
     for name, preset, prec in jax_rows:
       entries.append(Entry(name, b, jax_maker(preset, prec, filters)))
     for name, amp, comp in torch_rows[:2]:
-      entries.append(Entry(name, b, torch_maker(amp, comp, filters)
-                           if torch else None))
+      entries.append(
+        Entry(name, b, torch_maker(amp, comp, filters) if torch else None)
+      )
   for b in (big, batches[0]):
     name, amp, comp = torch_rows[2]
-    entries.append(Entry(name, b, torch_maker(amp, comp, filters)
-                         if torch else None))
+    entries.append(
+      Entry(name, b, torch_maker(amp, comp, filters) if torch else None)
+    )
 
   dev = jax.devices()[0]
-  tdev = (torch.cuda.get_device_name(0) if torch and torch.cuda.is_available()
-          else ("cpu" if torch else "none"))
-  print(f"jax {jax.__version__} on {dev.platform} ({dev.device_kind}); "
-        f"torch {torch.__version__ if torch else 'not installed'} on {tdev}; "
-        f"ResNet18 CIFAR {filters} filters{' [SMOKE]' if smoke else ''}",
-        flush=True)
+  tdev = (
+    torch.cuda.get_device_name(0)
+    if torch and torch.cuda.is_available()
+    else ("cpu" if torch else "none")
+  )
+  print(
+    f"jax {jax.__version__} on {dev.platform} ({dev.device_kind}); "
+    f"torch {torch.__version__ if torch else 'not installed'} on {tdev}; "
+    f"ResNet18 CIFAR {filters} filters{' [SMOKE]' if smoke else ''}",
+    flush=True,
+  )
 
   # Build (compile + warm-up), keeping ~25% of the budget for the windows.
   for e in entries:
@@ -322,8 +380,11 @@ def main():
     t = time.perf_counter()
     try:
       e.build(window_s, min_steps)
-      print(f"  built {e.name} b{e.batch} in {time.perf_counter() - t:.0f} s"
-            f" ({e.steps} steps/window)", flush=True)
+      print(
+        f"  built {e.name} b{e.batch} in {time.perf_counter() - t:.0f} s"
+        f" ({e.steps} steps/window)",
+        flush=True,
+      )
     except Exception as ex:  # pylint: disable=broad-except
       e.note = f"failed: {type(ex).__name__}: {str(ex).splitlines()[0][:60]}"
       print(f"  {e.name} b{e.batch}: {e.note}", flush=True)
@@ -340,11 +401,15 @@ def main():
   # Table.
   by = {(e.name, e.batch): e for e in entries}
   print()
-  print(f"{'entry':<24}{'batch':>6}{'img/s':>10}{'steps/win':>10}"
-        f"{'windows':>8}  note")
+  print(
+    f"{'entry':<24}{'batch':>6}{'img/s':>10}{'steps/win':>10}"
+    f"{'windows':>8}  note"
+  )
   for e in entries:
-    print(f"{e.name:<24}{e.batch:>6}{e.ips():>10.0f}{e.steps:>10}"
-          f"{len(e.rates):>8}  {e.note}")
+    print(
+      f"{e.name:<24}{e.batch:>6}{e.ips():>10.0f}{e.steps:>10}"
+      f"{len(e.rates):>8}  {e.note}"
+    )
 
   def ratio(a, b, batch):
     x, y = by[(a, batch)].ips(), by[(b, batch)].ips()
@@ -353,11 +418,15 @@ def main():
   print()
   print("speedups (img/s ratios, side by side in this run):")
   for b in batches:
-    for a, ref in (("jax O2 fp16", "jax O0 tf32"), ("jax O2 fp16", "jax O0 fp32"),
-                   ("jax bf16", "jax O0 tf32"), ("torch amp cl", "torch fp32"),
-                   ("jax O2 fp16", "torch amp cl"),
-                   ("jax O2 fp16", "torch amp cl compile"),
-                   ("jax O0 tf32", "torch fp32")):
+    for a, ref in (
+      ("jax O2 fp16", "jax O0 tf32"),
+      ("jax O2 fp16", "jax O0 fp32"),
+      ("jax bf16", "jax O0 tf32"),
+      ("torch amp cl", "torch fp32"),
+      ("jax O2 fp16", "torch amp cl"),
+      ("jax O2 fp16", "torch amp cl compile"),
+      ("jax O0 tf32", "torch fp32"),
+    ):
       print(f"  b{b:<4} {a:>12} / {ref:<22}{ratio(a, ref, b):>7.2f}")
 
   print()
@@ -365,8 +434,9 @@ def main():
   msg = train_run(smoke, 300.0 if smoke else left() - 10)
   print(f"train.py configs/default.py on synthetic data: {msg}")
   print(f"total {time.perf_counter() - start:.0f} s")
-  print(f"jax_o2_over_torch_amp_cl: "
-        f"{ratio('jax O2 fp16', 'torch amp cl', big):.2f}")
+  print(
+    f"jax_o2_over_torch_amp_cl: {ratio('jax O2 fp16', 'torch amp cl', big):.2f}"
+  )
   print(f"jax_o2_over_jax_fp32: {ratio('jax O2 fp16', 'jax O0 tf32', big):.2f}")
   print(f"jax_o2_images_per_sec_b{big}: {by[('jax O2 fp16', big)].ips():.0f}")
 

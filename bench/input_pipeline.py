@@ -41,8 +41,7 @@ def bench_tfdata(images, labels, batch: int, epochs: int) -> float:
   del it
   count, start = 0, time.perf_counter()
   for epoch in range(1, epochs + 1):
-    for b in host_stream.train_batches(images, labels, epoch=epoch,
-                                           **stream):
+    for b in host_stream.train_batches(images, labels, epoch=epoch, **stream):
       count += len(b["label"])
   return count / (time.perf_counter() - start)
 
@@ -50,12 +49,13 @@ def bench_tfdata(images, labels, batch: int, epochs: int) -> float:
 def bench_device(images, batch: int, steps: int) -> float:
   @jax.jit
   def step(x, key):
-    return device_data.normalize(device_data.device_augment(x, key), MEAN, STD,
-                                 jnp.float32)
+    return device_data.normalize(
+      device_data.device_augment(x, key), MEAN, STD, jnp.float32
+    )
 
   data = jax.device_put(images)
   n = len(images) // batch
-  batches = [data[i * batch:(i + 1) * batch] for i in range(min(n, steps))]
+  batches = [data[i * batch : (i + 1) * batch] for i in range(min(n, steps))]
   key = jax.random.key(0)
   step(batches[0], key).block_until_ready()
   start = time.perf_counter()
@@ -83,10 +83,11 @@ def main():
   device = bench_device(images, args.batch, args.device_steps)
   platform = jax.devices()[0].platform
   print(f"{'path':<28}{'img/s':>12}{'img/s/core':>14}")
-  print(f"{'tf.data (host, ' + str(cores) + ' cores)':<28}"
-        f"{tfdata:>12,.0f}{tfdata / cores:>14,.0f}")
-  print(f"{'device (' + platform + ', jit)':<28}{device:>12,.0f}"
-        f"{'':>14}")
+  print(
+    f"{'tf.data (host, ' + str(cores) + ' cores)':<28}"
+    f"{tfdata:>12,.0f}{tfdata / cores:>14,.0f}"
+  )
+  print(f"{'device (' + platform + ', jit)':<28}{device:>12,.0f}{'':>14}")
   print(f"tfdata_images_per_sec_per_core: {tfdata / cores:.0f}")
 
 

@@ -70,10 +70,14 @@ def make_step(model, optimizer, scaled: bool):
   def step(state, images, labels):
     def loss_fn(params):
       logits, new_vars = model.apply(
-          {"params": params, "batch_stats": state["batch_stats"]}, images,
-          train=True, mutable=["batch_stats"])
+        {"params": params, "batch_stats": state["batch_stats"]},
+        images,
+        train=True,
+        mutable=["batch_stats"],
+      )
       loss = optax.softmax_cross_entropy_with_integer_labels(
-          logits, labels).mean()
+        logits, labels
+      ).mean()
       out = jaxmp.scale_loss(loss, state["opt"]) if scaled else loss
       return out, (loss, new_vars["batch_stats"])
 
@@ -93,19 +97,26 @@ def main():
   images = jnp.asarray(rng.standard_normal((BATCH, 32, 32, 3), np.float32))
   labels = jnp.asarray(rng.integers(0, 10, BATCH), jnp.int32)
   variables = jax.jit(lambda k: model.init(k, images[:1], train=False))(
-      jax.random.key(0))
+    jax.random.key(0)
+  )
 
-  inner = optax.chain(optax.add_decayed_weights(5e-4),
-                      optax.sgd(0.1, momentum=0.9))
+  inner = optax.chain(
+    optax.add_decayed_weights(5e-4), optax.sgd(0.1, momentum=0.9)
+  )
   scaled_opt = jaxmp.mixed_precision(
-      inner, loss_scale=jmp.DynamicLossScale(np.float32(2.0**15)))
+    inner, loss_scale=jmp.DynamicLossScale(np.float32(2.0**15))
+  )
   cases = {}
-  for name, opt, scaled in (("optax", inner, False),
-                            ("jaxmp", scaled_opt, True)):
+  for name, opt, scaled in (
+    ("optax", inner, False),
+    ("jaxmp", scaled_opt, True),
+  ):
     params = jax.tree.map(jnp.copy, variables["params"])
-    state = {"params": params,
-             "batch_stats": jax.tree.map(jnp.copy, variables["batch_stats"]),
-             "opt": opt.init(params)}
+    state = {
+      "params": params,
+      "batch_stats": jax.tree.map(jnp.copy, variables["batch_stats"]),
+      "opt": opt.init(params),
+    }
     cases[name] = [make_step(model, opt, scaled), state]
 
   def run(name):
@@ -127,20 +138,26 @@ def main():
     order.reverse()
   med = {name: statistics.median(t) for name, t in times.items()}
   ratio = statistics.median(
-      a / b for a, b in zip(times["jaxmp"], times["optax"]))
+    a / b for a, b in zip(times["jaxmp"], times["optax"])
+  )
   n_params = sum(x.size for x in jax.tree.leaves(variables["params"]))
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform} "
-        f"({os.cpu_count()} cpus); ResNet18 CIFAR, {FILTERS} filters "
-        f"({n_params:,} params), batch {BATCH}, fp32 (O0); {REPS} "
-        "interleaved reps after 2 warm-up, median")
+  print(
+    f"jax {jax.__version__} on {jax.devices()[0].platform} "
+    f"({os.cpu_count()} cpus); ResNet18 CIFAR, {FILTERS} filters "
+    f"({n_params:,} params), batch {BATCH}, fp32 (O0); {REPS} "
+    "interleaved reps after 2 warm-up, median"
+  )
   print(f"{'step':<8}{'median ms':>11}{'min ms':>9}{'max ms':>9}")
   for name in cases:
-    print(f"{name:<8}{med[name] * 1e3:>11.1f}{min(times[name]) * 1e3:>9.1f}"
-          f"{max(times[name]) * 1e3:>9.1f}")
-  print(f"ratio of medians (jaxmp/optax): {med['jaxmp'] / med['optax']:.3f}; "
-        f"per-rep ratios: "
-        + " ".join(f"{a / b:.2f}" for a, b in zip(times["jaxmp"],
-                                                   times["optax"])))
+    print(
+      f"{name:<8}{med[name] * 1e3:>11.1f}{min(times[name]) * 1e3:>9.1f}"
+      f"{max(times[name]) * 1e3:>9.1f}"
+    )
+  print(
+    f"ratio of medians (jaxmp/optax): {med['jaxmp'] / med['optax']:.3f}; "
+    f"per-rep ratios: "
+    + " ".join(f"{a / b:.2f}" for a, b in zip(times["jaxmp"], times["optax"]))
+  )
   print(f"step_time_ratio: {ratio:.3f}")
 
 

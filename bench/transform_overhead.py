@@ -80,8 +80,9 @@ def make_tree(half: bool, seed: int = 0):
   tree = {}
   for name, (shape, is_bn) in _shapes.resnet18_param_shapes().items():
     dtype = jnp.float16 if (half and not is_bn) else jnp.float32
-    tree[name] = jnp.asarray(rng.standard_normal(shape, np.float32) * 0.05,
-                             dtype)
+    tree[name] = jnp.asarray(
+      rng.standard_normal(shape, np.float32) * 0.05, dtype
+    )
   return tree
 
 
@@ -97,8 +98,9 @@ def runner(opt, params, grads, unit):
     # State first in the outputs: jax hands each donated buffer to the first
     # output of the same shape and dtype, so the updates would otherwise take
     # the old state's buffers and XLA would copy the state to keep it alive.
-    step = jax.jit(lambda g, s, p: opt.update(g, s, p)[::-1],
-                   donate_argnums=(1,))
+    step = jax.jit(
+      lambda g, s, p: opt.update(g, s, p)[::-1], donate_argnums=(1,)
+    )
 
     def run(st):
       t = time.perf_counter()
@@ -106,9 +108,11 @@ def runner(opt, params, grads, unit):
       jax.block_until_ready((upd, st))
       return time.perf_counter() - t, st
   else:
+
     def both(g, p, s):  # Donated in the order they are returned.
       upd, s = opt.update(g, s, p)
       return optax.apply_updates(p, upd), s
+
     step = jax.jit(both, donate_argnums=(1, 2))
     holder = {"p": jax.tree.map(jnp.copy, params)}
 
@@ -117,6 +121,7 @@ def runner(opt, params, grads, unit):
       holder["p"], st = step(grads, holder["p"], st)
       jax.block_until_ready((holder["p"], st))
       return time.perf_counter() - t, st
+
   return run, state
 
 
@@ -127,8 +132,7 @@ def compare(unit, half):
   scale = 2.0**10
   grads = jax.tree.map(lambda p: (p * scale).astype(p.dtype), params)
   grads32 = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
-  runs = [list(runner(optax.sgd(0.1, momentum=0.9), params32, grads32,
-                      unit))]
+  runs = [list(runner(optax.sgd(0.1, momentum=0.9), params32, grads32, unit))]
   mp = jaxmp.mixed_precision(optax.sgd(0.1, momentum=0.9), loss_scale=scale)
   runs.append(list(runner(mp, params, grads, unit)))
   for _ in range(3):  # Warm-up: compile and touch memory.
@@ -143,20 +147,25 @@ def compare(unit, half):
 
 
 def main():
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform}, "
-        f"{_shapes.num_params(_shapes.resnet18_param_shapes()):,} params, "
-        f"{REPS} interleaved reps, median")
-  print(f"{'unit':<14}{'params':<10}{'optax ms':>10}{'jaxmp ms':>10}"
-        f"{'ratio':>8}")
+  print(
+    f"jax {jax.__version__} on {jax.devices()[0].platform}, "
+    f"{_shapes.num_params(_shapes.resnet18_param_shapes()):,} params, "
+    f"{REPS} interleaved reps, median"
+  )
+  print(
+    f"{'unit':<14}{'params':<10}{'optax ms':>10}{'jaxmp ms':>10}{'ratio':>8}"
+  )
   worst = {}
   for unit in ("update", "update+apply"):
     for half in (False, True):
       base, mine = compare(unit, half)
       ratio = mine / base
       worst[unit] = max(worst.get(unit, 0.0), ratio)
-      print(f"{unit:<14}{'fp16 O2' if half else 'fp32':<10}"
-            f"{base * 1e3:>10.2f}{mine * 1e3:>10.2f}{ratio:>8.3f}",
-            flush=True)
+      print(
+        f"{unit:<14}{'fp16 O2' if half else 'fp32':<10}"
+        f"{base * 1e3:>10.2f}{mine * 1e3:>10.2f}{ratio:>8.3f}",
+        flush=True,
+      )
   print(f"update_apply_time_ratio: {worst['update+apply']:.3f}")
   print(f"update_time_ratio: {worst['update']:.3f}")
 

@@ -30,36 +30,60 @@ class BatchSource(Protocol):
   def jit_step(self, train_step: steps.TrainStep) -> Any:
     """The jitted ``step(state, *args, metrics) -> (state, metrics)``."""
 
-  def epoch(self, state: steps.TrainState, epoch: int, start_batch: int,
-            num_batches: int) -> Iterator[tuple[Any, ...]]:
+  def epoch(
+    self,
+    state: steps.TrainState,
+    epoch: int,
+    start_batch: int,
+    num_batches: int,
+  ) -> Iterator[tuple[Any, ...]]:
     """The ``args`` of the next ``num_batches`` steps of ``epoch``."""
 
 
 class HostStream:
   """Batches from `host_stream.train_batches`, one host-to-device copy each."""
 
-  def __init__(self, data: Dataset, *, batch_size: int, seed: int,
-               mean: Sequence[float], std: Sequence[float], augment: bool,
-               replicated: NamedSharding, batch_sharding: NamedSharding):
+  def __init__(
+    self,
+    data: Dataset,
+    *,
+    batch_size: int,
+    seed: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    augment: bool,
+    replicated: NamedSharding,
+    batch_sharding: NamedSharding,
+  ):
     self._data = data
-    self._stream_args = dict(seed=seed, batch_size=batch_size, mean=mean,
-                             std=std, augment=augment)
+    self._stream_args = dict(
+      seed=seed, batch_size=batch_size, mean=mean, std=std, augment=augment
+    )
     self._replicated = replicated
     self._batch_sharding = batch_sharding
 
   def jit_step(self, train_step):
     """``train_step`` jitted over host batches: ``(state, x, y, metrics)``."""
     r, b = self._replicated, self._batch_sharding
-    return jax.jit(train_step, in_shardings=(r, b, b, r),
-                   out_shardings=(r, r), donate_argnums=(0, 3))
+    return jax.jit(
+      train_step,
+      in_shardings=(r, b, b, r),
+      out_shardings=(r, r),
+      donate_argnums=(0, 3),
+    )
 
   def epoch(self, state, epoch, start_batch, num_batches):
     """The batches ``start_batch..`` of ``epoch``, placed on the mesh."""
     del state  # The stream is a function of (seed, epoch) alone.
     stream = host_stream.train_batches(
-        self._data.train_images, self._data.train_labels, epoch=epoch,
-        start_batch=start_batch, process_index=jax.process_index(),
-        process_count=jax.process_count(), **self._stream_args)
+      self._data.train_images,
+      self._data.train_labels,
+      epoch=epoch,
+      start_batch=start_batch,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+      **self._stream_args,
+    )
     for _, batch in zip(range(num_batches), stream):
       b = mesh.global_batch(batch, self._batch_sharding)
       yield b["image"], b["label"]
@@ -68,27 +92,46 @@ class HostStream:
 class DeviceResident:
   """The whole uint8 training set on the devices (airbench style)."""
 
-  def __init__(self, data: Dataset, *, batch_size: int, mean: Sequence[float],
-               std: Sequence[float], augment: bool,
-               replicated: NamedSharding, batch_sharding: NamedSharding):
+  def __init__(
+    self,
+    data: Dataset,
+    *,
+    batch_size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    augment: bool,
+    replicated: NamedSharding,
+    batch_sharding: NamedSharding,
+  ):
     self._num_examples = len(data.train_images)
     self._images = jax.device_put(data.train_images, replicated)
     self._labels = jax.device_put(data.train_labels, replicated)
-    self._step_args = dict(batch_size=batch_size, mean=mean, std=std,
-                           augment=augment, batch_sharding=batch_sharding)
+    self._step_args = dict(
+      batch_size=batch_size,
+      mean=mean,
+      std=std,
+      augment=augment,
+      batch_sharding=batch_sharding,
+    )
     self._replicated = replicated
     n = self._num_examples
     self._perm = jax.jit(
-        lambda key, epoch: device_data.device_epoch_permutation(
-            jax.random.wrap_key_data(key), epoch, n),
-        out_shardings=replicated)
+      lambda key, epoch: device_data.device_epoch_permutation(
+        jax.random.wrap_key_data(key), epoch, n
+      ),
+      out_shardings=replicated,
+    )
 
   def jit_step(self, train_step):
     """``train_step`` jitted to gather its batch from the resident set."""
     r = self._replicated
     step = steps.make_device_train_step(train_step, **self._step_args)
-    return jax.jit(step, in_shardings=(r, r, r, r, None, r),
-                   out_shardings=(r, r), donate_argnums=(0, 5))
+    return jax.jit(
+      step,
+      in_shardings=(r, r, r, r, None, r),
+      out_shardings=(r, r),
+      donate_argnums=(0, 5),
+    )
 
   def epoch(self, state, epoch, start_batch, num_batches):
     """The epoch's permutation and batch indices; no data moves."""

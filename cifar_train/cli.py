@@ -14,8 +14,9 @@ from cifar_train import settings
 from cifar_train.errors import UserError
 
 
-def run(config: ml_collections.ConfigDict, workdir: str, *,
-        data: Optional[Any] = None) -> int:
+def run(
+  config: ml_collections.ConfigDict, workdir: str, *, data: Optional[Any] = None
+) -> int:
   """Runs `loop.train_and_evaluate`; a `UserError` becomes one line.
 
   Args:
@@ -27,12 +28,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
     The exit code: 0, or 2 after printing ``error: <message>``.
   """
   from absl import logging  # pylint: disable=g-import-not-at-top
+
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
   try:
     # Validated before TensorFlow is imported: a bad value fails at once.
     resolved = settings.resolve(config)
     from cifar_train import host_stream  # pylint: disable=g-import-not-at-top
     from cifar_train import loop  # pylint: disable=g-import-not-at-top
+
     # TensorFlow only feeds the host: it must never take the GPUs from JAX.
     host_stream.hide_gpus_from_tensorflow()
     loop.train(resolved, workdir, data=data, config_record=config.to_dict())
@@ -51,8 +54,11 @@ def unknown_key_message(key: str, config: ml_collections.ConfigDict) -> str:
   """``unknown config key 'x'``, with the nearest valid keys."""
   valid = sorted(config.keys())
   near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
-  hint = (f"; did you mean {', '.join(near)}?" if near else
-          f"; valid keys: {', '.join(valid)}")
+  hint = (
+    f"; did you mean {', '.join(near)}?"
+    if near
+    else f"; valid keys: {', '.join(valid)}"
+  )
   return f"unknown config key {key!r}{hint}"
 
 
@@ -61,5 +67,5 @@ def config_override_keys(argv: Sequence[str]) -> list[str]:
   keys = []
   for arg in argv:
     if arg.startswith("--config."):
-      keys.append(arg[len("--config."):].split("=", 1)[0].split(".")[0])
+      keys.append(arg[len("--config.") :].split("=", 1)[0].split(".")[0])
   return keys

@@ -22,8 +22,8 @@ from cifar_train.errors import ConfigError
 from cifar_train.errors import DatasetUnavailableError
 
 _CIFAR_ARCHIVES = {
-    "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz",
-    "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-binary.tar.gz",
+  "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz",
+  "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-binary.tar.gz",
 }
 _PROBE_ADDRESS = ("www.cs.toronto.edu", 443)
 _PROBE_TIMEOUT_S = 2.0
@@ -40,6 +40,7 @@ class Dataset:
     test_labels: int32 ``[M]``.
     num_classes: from the data set's metadata, or counted from the labels.
   """
+
   train_images: np.ndarray
   train_labels: np.ndarray
   test_images: np.ndarray
@@ -53,8 +54,8 @@ class Dataset:
 
 
 def network_available(
-    address: tuple[str, int] = _PROBE_ADDRESS,
-    timeout: float = _PROBE_TIMEOUT_S,
+  address: tuple[str, int] = _PROBE_ADDRESS,
+  timeout: float = _PROBE_TIMEOUT_S,
 ) -> bool:
   """Whether a TCP connection to ``address`` opens within ``timeout`` seconds.
 
@@ -81,26 +82,26 @@ def _unavailable_message(name: str, builder: tfds.core.DatasetBuilder) -> str:
   archive = _CIFAR_ARCHIVES[name].rsplit("/", 1)[1]
   manual = os.path.join(data_dir, "downloads", "manual", archive)
   return (
-      f"Data set {name!r} is not prepared in the tfds data dir "
-      f"{str(data_dir)!r} (looked for {builder.data_dir!r}) and the network "
-      "is unreachable, so tfds cannot download it. To provide it, either:\n"
-      "  1. on a machine with internet run\n"
-      "       python -c \"import tensorflow_datasets as tfds; "
-      f"tfds.builder('{name}', data_dir='DIR').download_and_prepare()\"\n"
-      f"     and copy DIR/{name} to {os.path.join(data_dir, name)}; or\n"
-      f"  2. download {_CIFAR_ARCHIVES[name]} and place the archive, not\n"
-      f"     unpacked, at {manual}; tfds then prepares it offline.\n"
-      "Select another tfds data dir with --config.data_dir=DIR, or train on\n"
-      "offline synthetic data with --config=configs/smoke.py "
-      "(config.dataset='synthetic')."
+    f"Data set {name!r} is not prepared in the tfds data dir "
+    f"{str(data_dir)!r} (looked for {builder.data_dir!r}) and the network "
+    "is unreachable, so tfds cannot download it. To provide it, either:\n"
+    "  1. on a machine with internet run\n"
+    '       python -c "import tensorflow_datasets as tfds; '
+    f"tfds.builder('{name}', data_dir='DIR').download_and_prepare()\"\n"
+    f"     and copy DIR/{name} to {os.path.join(data_dir, name)}; or\n"
+    f"  2. download {_CIFAR_ARCHIVES[name]} and place the archive, not\n"
+    f"     unpacked, at {manual}; tfds then prepares it offline.\n"
+    "Select another tfds data dir with --config.data_dir=DIR, or train on\n"
+    "offline synthetic data with --config=configs/smoke.py "
+    "(config.dataset='synthetic')."
   )
 
 
 def builder(
-    name: str,
-    data_dir: Optional[str] = None,
-    *,
-    synthetic_examples: tuple[int, int] = (10_000, 2_000),
+  name: str,
+  data_dir: Optional[str] = None,
+  *,
+  synthetic_examples: tuple[int, int] = (10_000, 2_000),
 ) -> tfds.core.DatasetBuilder:
   """Returns the prepared tfds builder of data set ``name``.
 
@@ -118,29 +119,31 @@ def builder(
   data_dir = data_dir or None
   if name == "image_folder":
     if not data_dir or not all(
-        os.path.isdir(os.path.join(data_dir, s)) for s in ("train", "test")
+      os.path.isdir(os.path.join(data_dir, s)) for s in ("train", "test")
     ):
       raise ConfigError(
-          "dataset='image_folder' needs config.data_dir to be a directory "
-          f"with train/<class>/*.png and test/<class>/*.png; got {data_dir!r}"
+        "dataset='image_folder' needs config.data_dir to be a directory "
+        f"with train/<class>/*.png and test/<class>/*.png; got {data_dir!r}"
       )
     return tfds.ImageFolder(data_dir)
   if name == "synthetic":
     result = synthetic.JaxmpSynthetic(
-        data_dir=data_dir, config=synthetic.synthetic_config(
-            *synthetic_examples))
+      data_dir=data_dir, config=synthetic.synthetic_config(*synthetic_examples)
+    )
     # try_download_gcs=False: our data set is not on GCS, and probing for it
     # offline retries for minutes.
     result.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+      download_config=tfds.download.DownloadConfig(try_download_gcs=False)
+    )
     return result
   if name in _CIFAR_ARCHIVES:
     result = tfds.builder(name, data_dir=data_dir)
     download_config = None
     if not result.is_prepared():
       archive = _CIFAR_ARCHIVES[name].rsplit("/", 1)[1]
-      manual = os.path.join(result.data_dir_root, "downloads", "manual",
-                            archive)
+      manual = os.path.join(
+        result.data_dir_root, "downloads", "manual", archive
+      )
       if os.path.exists(manual):
         # Prepare from the archive; skip the GCS probe, which retries for
         # minutes offline.
@@ -149,12 +152,14 @@ def builder(
         raise DatasetUnavailableError(_unavailable_message(name, result))
     result.download_and_prepare(download_config=download_config)
     return result
-  raise ConfigError(f"unknown dataset {name!r}; valid: cifar10, cifar100, "
-                    "image_folder, synthetic")
+  raise ConfigError(
+    f"unknown dataset {name!r}; valid: cifar10, cifar100, "
+    "image_folder, synthetic"
+  )
 
 
 def read_split(
-    source: tfds.core.DatasetBuilder, split: str
+  source: tfds.core.DatasetBuilder, split: str
 ) -> tuple[np.ndarray, np.ndarray]:
   """Reads a whole split into memory, in the data set's stored order.
 
@@ -187,17 +192,20 @@ def read_split(
   shapes = {x.shape for x in images}
   if len(shapes) != 1:
     raise ConfigError(
-        f"{name!r} split {split!r} has images of shapes {sorted(shapes)}; "
-        "resize them to one shape first")
-  return (np.stack(images).astype(np.uint8),
-          np.concatenate(labels).astype(np.int32))
+      f"{name!r} split {split!r} has images of shapes {sorted(shapes)}; "
+      "resize them to one shape first"
+    )
+  return (
+    np.stack(images).astype(np.uint8),
+    np.concatenate(labels).astype(np.int32),
+  )
 
 
 def load(
-    name: str,
-    data_dir: Optional[str] = None,
-    *,
-    synthetic_examples: tuple[int, int] = (10_000, 2_000),
+  name: str,
+  data_dir: Optional[str] = None,
+  *,
+  synthetic_examples: tuple[int, int] = (10_000, 2_000),
 ) -> Dataset:
   """Reads both splits of data set ``name`` (see `builder` for the args)."""
   source = builder(name, data_dir, synthetic_examples=synthetic_examples)
@@ -207,5 +215,6 @@ def load(
   label = source.info.features["label"]
   # Mock data and image folders may know fewer classes than they hold.
   num_classes = max(counted, int(getattr(label, "num_classes", 0) or 0))
-  return Dataset(train_images, train_labels, test_images, test_labels,
-                 num_classes)
+  return Dataset(
+    train_images, train_labels, test_images, test_labels, num_classes
+  )

@@ -16,7 +16,7 @@ PAD = 4  # Random-crop padding, in pixels.
 
 
 def normalization(
-    mean: Sequence[float], std: Sequence[float]
+  mean: Sequence[float], std: Sequence[float]
 ) -> tuple[np.ndarray, np.ndarray]:
   """`(scale, bias)` such that `x_u8 * scale + bias == (x_u8 / 255 - m) / s`."""
   mean = np.asarray(mean, np.float32)
@@ -25,7 +25,7 @@ def normalization(
 
 
 def device_epoch_permutation(
-    key: jax.Array, epoch: jax.typing.ArrayLike, num_examples: int
+  key: jax.Array, epoch: jax.typing.ArrayLike, num_examples: int
 ) -> jax.Array:
   """The example order of `epoch` for device-resident data.
 
@@ -71,15 +71,15 @@ def device_augment(images: jax.Array, key: jax.Array) -> jax.Array:
   cols = jnp.where(flip[:, None], jnp.arange(w - 1, -1, -1), jnp.arange(w))
   cols = offsets[:, 1:] + cols  # [B, W]
   return padded[
-      jnp.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]
+    jnp.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]
   ]
 
 
 def normalize(
-    images: jax.Array,
-    mean: Sequence[float],
-    std: Sequence[float],
-    dtype: Any = jnp.float32,
+  images: jax.Array,
+  mean: Sequence[float],
+  std: Sequence[float],
+  dtype: Any = jnp.float32,
 ) -> jax.Array:
   """Scales uint8 images to `[0, 1]`, then `(x - mean) / std`, in `dtype`.
 

@@ -52,7 +52,7 @@ def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
 
 
 def _tf_crop_flip(
-    images: tf.Tensor, offsets: tf.Tensor, flip: tf.Tensor
+  images: tf.Tensor, offsets: tf.Tensor, flip: tf.Tensor
 ) -> tf.Tensor:
   """Pad-4 crop and horizontal flip of a uint8 batch, all examples at once.
 
@@ -72,7 +72,7 @@ def _tf_crop_flip(
   padded = tf.pad(images, [[0, 0], [PAD, PAD], [PAD, PAD], [0, 0]])
   rows = offsets[:, :1] + tf.range(h)[None, :]  # [B, H]
   cols = offsets[:, 1:] + tf.where(
-      flip[:, None], tf.range(w - 1, -1, -1)[None, :], tf.range(w)[None, :]
+    flip[:, None], tf.range(w - 1, -1, -1)[None, :], tf.range(w)[None, :]
   )  # [B, W]
   out = tf.gather(padded, rows, axis=1, batch_dims=1)  # [B, H, W + 2P, C]
   return tf.gather(out, cols, axis=2, batch_dims=1)
@@ -80,11 +80,11 @@ def _tf_crop_flip(
 
 @tf.function(jit_compile=True)
 def _tf_augment_normalize(
-    images: tf.Tensor,
-    offsets: tf.Tensor,
-    flip: tf.Tensor,
-    scale: np.ndarray,
-    bias: np.ndarray,
+  images: tf.Tensor,
+  offsets: tf.Tensor,
+  flip: tf.Tensor,
+  scale: np.ndarray,
+  bias: np.ndarray,
 ) -> tf.Tensor:
   """`_tf_crop_flip`, then `images * scale + bias` in float32, fused by XLA.
 
@@ -97,32 +97,34 @@ def _tf_augment_normalize(
 
 
 def _tf_augment_params(
-    seed: tf.Tensor, batch_size: int
+  seed: tf.Tensor, batch_size: int
 ) -> tuple[tf.Tensor, tf.Tensor]:
   """Stateless crop offsets `[B, 2]` in `[0, 2 * PAD]` and flips `[B]`."""
   offsets = tf.random.stateless_uniform(
-      [batch_size, 2], seed=seed, maxval=2 * PAD + 1, dtype=tf.int32
+    [batch_size, 2], seed=seed, maxval=2 * PAD + 1, dtype=tf.int32
   )
   flip = tf.random.stateless_uniform(
-      [batch_size], seed=tf.random.experimental.stateless_fold_in(seed, 1),
-      maxval=2, dtype=tf.int32,
+    [batch_size],
+    seed=tf.random.experimental.stateless_fold_in(seed, 1),
+    maxval=2,
+    dtype=tf.int32,
   )
   return offsets, flip == 1
 
 
 def train_batches(
-    images: np.ndarray,
-    labels: np.ndarray,
-    *,
-    seed: int,
-    batch_size: int,
-    mean: Sequence[float],
-    std: Sequence[float],
-    augment: bool,
-    epoch: int,
-    start_batch: int = 0,
-    process_index: int = 0,
-    process_count: int = 1,
+  images: np.ndarray,
+  labels: np.ndarray,
+  *,
+  seed: int,
+  batch_size: int,
+  mean: Sequence[float],
+  std: Sequence[float],
+  augment: bool,
+  epoch: int,
+  start_batch: int = 0,
+  process_index: int = 0,
+  process_count: int = 1,
 ) -> Iterator[Batch]:
   """Streams one epoch of augmented, normalised training batches.
 
@@ -155,8 +157,8 @@ def train_batches(
   global_batch = batch_size
   if global_batch % process_count:
     raise ConfigError(
-        f"batch_size {global_batch} is not divisible by {process_count} "
-        "processes."
+      f"batch_size {global_batch} is not divisible by {process_count} "
+      "processes."
     )
   local_batch = global_batch // process_count
   steps = steps_per_epoch(len(images), global_batch)
@@ -165,10 +167,10 @@ def train_batches(
   perm = epoch_permutation(seed, epoch, len(images))
   index = perm[: steps * global_batch].reshape(steps, global_batch)
   lo = process_index * local_batch
-  index = index[start_batch:, lo:lo + local_batch].astype(np.int32)
+  index = index[start_batch:, lo : lo + local_batch].astype(np.int32)
   scale, bias = normalization(mean, std)
   base_seed = tf.random.experimental.stateless_fold_in(
-      tf.constant([seed, 0], tf.int64), epoch
+    tf.constant([seed, 0], tf.int64), epoch
   )
   labels_t = tf.constant(labels, tf.int32)
   image_shape = (local_batch,) + images.shape[1:]
@@ -176,8 +178,9 @@ def train_batches(
   def gather_images(idx):
     # Gather in numpy: converting the whole array to a tf.Tensor costs a copy
     # of the data set (0.5 s for CIFAR10 on a small CPU) every epoch.
-    batch = tf.numpy_function(lambda i: images[i], [idx], tf.uint8,
-                              stateful=False)
+    batch = tf.numpy_function(
+      lambda i: images[i], [idx], tf.uint8, stateful=False
+    )
     return tf.ensure_shape(batch, image_shape)
 
   def make_batch(step, idx):
@@ -188,18 +191,19 @@ def train_batches(
     if not augment:  # The centre crop of the padded image is the image.
       offsets, flip = tf.fill(tf.shape(offsets), PAD), tf.zeros_like(flip)
     image = _tf_augment_normalize(
-        gather_images(idx),
-        offsets[lo:lo + local_batch],
-        flip[lo:lo + local_batch],
-        scale,
-        bias,
+      gather_images(idx),
+      offsets[lo : lo + local_batch],
+      flip[lo : lo + local_batch],
+      scale,
+      bias,
     )
     return {"image": image, "label": tf.gather(labels_t, idx)}
 
   steps_t = tf.range(start_batch, steps, dtype=tf.int64)
   ds = tf.data.Dataset.from_tensor_slices((steps_t, index))
-  ds = ds.map(make_batch, num_parallel_calls=tf.data.AUTOTUNE,
-              deterministic=True)
+  ds = ds.map(
+    make_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+  )
   ds = ds.prefetch(tf.data.AUTOTUNE)
   yield from ds.as_numpy_iterator()
 
@@ -210,14 +214,14 @@ def train_batches(
 
 
 def eval_batches(
-    images: np.ndarray,
-    labels: np.ndarray,
-    *,
-    batch_size: int,
-    mean: Sequence[float],
-    std: Sequence[float],
-    process_index: int = 0,
-    process_count: int = 1,
+  images: np.ndarray,
+  labels: np.ndarray,
+  *,
+  batch_size: int,
+  mean: Sequence[float],
+  std: Sequence[float],
+  process_index: int = 0,
+  process_count: int = 1,
 ) -> Iterator[Batch]:
   """Yields every example once, normalised, in fixed-size padded batches.
 
@@ -240,8 +244,8 @@ def eval_batches(
   """
   if batch_size % process_count:
     raise ConfigError(
-        f"eval batch_size {batch_size} is not divisible by {process_count} "
-        "processes."
+      f"eval batch_size {batch_size} is not divisible by {process_count} "
+      "processes."
     )
   local = batch_size // process_count
   scale, bias = normalization(mean, std)
@@ -258,5 +262,3 @@ def eval_batches(
       label[:valid] = labels[lo:hi]
       mask[:valid] = True
     yield {"image": image, "label": label, "mask": mask}
-
-

@@ -34,32 +34,52 @@ from cifar_train.errors import TrainingError
 def load_data(s: settings_lib.Settings) -> data_sources.Dataset:
   """The data set that the settings name."""
   return data_sources.load(
-      s.dataset, s.data_dir, synthetic_examples=(
-          s.synthetic_train_examples, s.synthetic_test_examples))
+    s.dataset,
+    s.data_dir,
+    synthetic_examples=(s.synthetic_train_examples, s.synthetic_test_examples),
+  )
 
 
-def evaluate(eval_step, state: steps.TrainState, data: data_sources.Dataset,
-             sharding: NamedSharding, *, batch_size: int,
-             mean, std) -> dict:
+def evaluate(
+  eval_step,
+  state: steps.TrainState,
+  data: data_sources.Dataset,
+  sharding: NamedSharding,
+  *,
+  batch_size: int,
+  mean,
+  std,
+) -> dict:
   """Loss and accuracy over every test example exactly once."""
   totals = steps.zero_metrics()
   del totals["last_loss"]
   for batch in host_stream.eval_batches(
-      data.test_images, data.test_labels, batch_size=batch_size, mean=mean,
-      std=std, process_index=jax.process_index(),
-      process_count=jax.process_count()):
+    data.test_images,
+    data.test_labels,
+    batch_size=batch_size,
+    mean=mean,
+    std=std,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+  ):
     b = mesh_lib.global_batch(batch, sharding)
     m = eval_step(state, b["image"], b["label"], b["mask"])
     totals = jax.tree.map(lambda a, x: a + x.astype(a.dtype), totals, m)
   totals = mesh_lib.to_host(totals)
   count = max(int(totals["count"]), 1)
-  return {"loss": float(totals["loss_sum"]) / count,
-          "accuracy": float(totals["correct"]) / count,
-          "count": int(totals["count"])}
+  return {
+    "loss": float(totals["loss_sum"]) / count,
+    "accuracy": float(totals["correct"]) / count,
+    "count": int(totals["count"]),
+  }
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       data: Optional[data_sources.Dataset] = None) -> dict:
+def train_and_evaluate(
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  *,
+  data: Optional[data_sources.Dataset] = None,
+) -> dict:
   """Trains, evaluates every epoch, writes the outputs; returns the summary.
 
   Args:
@@ -74,50 +94,75 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   Raises:
     UserError: (a subclass of) for anything the user can fix.
   """
-  return train(settings_lib.resolve(config), workdir, data=data,
-               config_record=config.to_dict())
+  return train(
+    settings_lib.resolve(config),
+    workdir,
+    data=data,
+    config_record=config.to_dict(),
+  )
 
 
-def train(s: settings_lib.Settings, workdir: str, *,
-          data: Optional[data_sources.Dataset] = None,
-          config_record: Optional[dict] = None) -> dict:
+def train(
+  s: settings_lib.Settings,
+  workdir: str,
+  *,
+  data: Optional[data_sources.Dataset] = None,
+  config_record: Optional[dict] = None,
+) -> dict:
   """`train_and_evaluate` from resolved settings.
 
   ``config_record`` is what ``summary.json`` records as the config.
   """
-  mesh_lib.initialize_distributed(s.coordinator_address, s.num_processes,
-                                  s.process_id)
+  mesh_lib.initialize_distributed(
+    s.coordinator_address, s.num_processes, s.process_id
+  )
   reporting.check_workdir(workdir)
   start_time = time.time()
-  mesh = mesh_lib.create_mesh(s.num_devices, {
-      "batch_size": s.batch_size, "eval_batch_size": s.eval_batch_size})
+  mesh = mesh_lib.create_mesh(
+    s.num_devices,
+    {"batch_size": s.batch_size, "eval_batch_size": s.eval_batch_size},
+  )
   data = data if data is not None else load_data(s)
   num_devices = mesh.devices.size
   replicated = NamedSharding(mesh, P())
   batch_sharding = NamedSharding(mesh, P("data"))
 
-  steps_per_epoch = host_stream.steps_per_epoch(len(data.train_images),
-                                                s.batch_size)
+  steps_per_epoch = host_stream.steps_per_epoch(
+    len(data.train_images), s.batch_size
+  )
   if steps_per_epoch < 1:
-    raise ConfigError(f"batch_size {s.batch_size} is larger than the "
-                      f"{len(data.train_images)} training examples")
+    raise ConfigError(
+      f"batch_size {s.batch_size} is larger than the "
+      f"{len(data.train_images)} training examples"
+    )
   # num_train_steps stops the run early; the learning-rate schedule follows
   # num_epochs, so a run stopped at k steps and resumed is the same run.
   schedule_steps = steps_per_epoch * s.num_epochs
   total_steps = s.num_train_steps if s.num_train_steps > 0 else schedule_steps
 
   precision = s.precision
-  model = steps.create_model(s.model, num_classes=data.num_classes,
-                             num_filters=s.num_filters, precision=precision)
+  model = steps.create_model(
+    s.model,
+    num_classes=data.num_classes,
+    num_filters=s.num_filters,
+    precision=precision,
+  )
   learning_rate = steps.create_learning_rate(
-      s.learning_rate, schedule=s.lr_schedule,
-      warmup_steps=int(s.warmup_epochs * steps_per_epoch),
-      total_steps=max(schedule_steps, total_steps))
+    s.learning_rate,
+    schedule=s.lr_schedule,
+    warmup_steps=int(s.warmup_epochs * steps_per_epoch),
+    total_steps=max(schedule_steps, total_steps),
+  )
   optimizer = steps.create_optimizer(
-      precision, learning_rate, momentum=s.momentum, nesterov=s.nesterov,
-      weight_decay=s.weight_decay)
-  state = steps.create_train_state(model, optimizer, data.image_shape,
-                                   seed=s.seed)
+    precision,
+    learning_rate,
+    momentum=s.momentum,
+    nesterov=s.nesterov,
+    weight_decay=s.weight_decay,
+  )
+  state = steps.create_train_state(
+    model, optimizer, data.image_shape, seed=s.seed
+  )
   manager = ckpt_lib.create_manager(workdir, s.keep_checkpoints)
   state, resumed = ckpt_lib.restore_latest(manager, state)
   if jax.process_count() > 1:
@@ -131,26 +176,40 @@ def train(s: settings_lib.Settings, workdir: str, *,
     print(f"Resuming from {resumed} at step {first_step}", flush=True)
 
   eval_step = jax.jit(
-      steps.make_eval_step(model, compute_dtype=precision.compute_dtype),
-      in_shardings=(replicated, batch_sharding, batch_sharding,
-                    batch_sharding),
-      out_shardings=replicated)
-  source_cls = (batches_lib.DeviceResident if s.data_on_device else
-                batches_lib.HostStream)
-  source_args = dict(batch_size=s.batch_size, mean=s.mean, std=s.std,
-                     augment=s.augment, replicated=replicated,
-                     batch_sharding=batch_sharding)
+    steps.make_eval_step(model, compute_dtype=precision.compute_dtype),
+    in_shardings=(replicated, batch_sharding, batch_sharding, batch_sharding),
+    out_shardings=replicated,
+  )
+  source_cls = (
+    batches_lib.DeviceResident if s.data_on_device else batches_lib.HostStream
+  )
+  source_args = dict(
+    batch_size=s.batch_size,
+    mean=s.mean,
+    std=s.std,
+    augment=s.augment,
+    replicated=replicated,
+    batch_sharding=batch_sharding,
+  )
   if not s.data_on_device:
     source_args["seed"] = s.seed
   source: batches_lib.BatchSource = source_cls(data, **source_args)
-  step_fn = source.jit_step(steps.make_train_step(
-      model, optimizer, compute_dtype=precision.compute_dtype,
-      label_smoothing=s.label_smoothing))
+  step_fn = source.jit_step(
+    steps.make_train_step(
+      model,
+      optimizer,
+      compute_dtype=precision.compute_dtype,
+      label_smoothing=s.label_smoothing,
+    )
+  )
   evaluate_args = dict(batch_size=s.eval_batch_size, mean=s.mean, std=s.std)
 
-  writer = reporting.Reporter(workdir, num_devices=num_devices,
-                              total_steps=total_steps,
-                              progress_bar=s.progress_bar)
+  writer = reporting.Reporter(
+    workdir,
+    num_devices=num_devices,
+    total_steps=total_steps,
+    progress_bar=s.progress_bar,
+  )
   step = first_step
   last_train = {"loss": float("nan"), "accuracy": float("nan")}
   test = None
@@ -168,43 +227,55 @@ def train(s: settings_lib.Settings, workdir: str, *,
           jaxmp.check_health(state.opt_state, step, s.max_consecutive_skips)
         except jaxmp.LossScaleCollapseError as e:
           raise TrainingError(str(e)) from None
-        writer.log_step(step, mesh_lib.to_host(
-            {**jaxmp.stats(state.opt_state), "loss": metrics["last_loss"]}))
-      if ckpt_lib.should_save(s.checkpoint_every_steps, step, epoch_end,
-                              total_steps):
-        ckpt_lib.save(manager, state, step, epoch_end == step,
-                      steps_per_epoch)
+        writer.log_step(
+          step,
+          mesh_lib.to_host(
+            {**jaxmp.stats(state.opt_state), "loss": metrics["last_loss"]}
+          ),
+        )
+      if ckpt_lib.should_save(
+        s.checkpoint_every_steps, step, epoch_end, total_steps
+      ):
+        ckpt_lib.save(manager, state, step, epoch_end == step, steps_per_epoch)
     m = mesh_lib.to_host(metrics)
     elapsed = time.time() - epoch_start
     count = max(int(m["count"]), 1)
-    last_train = {"loss": float(m["loss_sum"]) / count,
-                  "accuracy": float(m["correct"]) / count}
+    last_train = {
+      "loss": float(m["loss_sum"]) / count,
+      "accuracy": float(m["correct"]) / count,
+    }
     test = evaluate(eval_step, state, data, batch_sharding, **evaluate_args)
     stats = mesh_lib.to_host(jaxmp.stats(state.opt_state))
     writer.log_epoch(
-        epoch=epoch + 1, step=step, train=last_train, test=test,
-        loss_scale=float(stats["loss_scale"]),
-        skipped_steps=int(stats["skipped_steps"]),
-        images_per_sec=(step - epoch_first_step) * s.batch_size /
-        max(elapsed, 1e-9))
+      epoch=epoch + 1,
+      step=step,
+      train=last_train,
+      test=test,
+      loss_scale=float(stats["loss_scale"]),
+      skipped_steps=int(stats["skipped_steps"]),
+      images_per_sec=(step - epoch_first_step)
+      * s.batch_size
+      / max(elapsed, 1e-9),
+    )
   if test is None:  # Nothing left to train (resumed at the end): evaluate.
     test = evaluate(eval_step, state, data, batch_sharding, **evaluate_args)
   ckpt_lib.wait_until_finished(manager)
   summary = {
-      "test_loss": test["loss"],
-      "test_accuracy": test["accuracy"],
-      "train_loss": last_train["loss"],
-      "train_accuracy": last_train["accuracy"],
-      "steps": int(state.step),
-      "wall_seconds": time.time() - start_time,
-      "num_devices": num_devices,
-      "num_processes": jax.process_count(),
-      "params_fingerprint": steps.params_fingerprint(state),
-      "state_fingerprint": steps.state_fingerprint(state),
-      "config": config_record,
+    "test_loss": test["loss"],
+    "test_accuracy": test["accuracy"],
+    "train_loss": last_train["loss"],
+    "train_accuracy": last_train["accuracy"],
+    "steps": int(state.step),
+    "wall_seconds": time.time() - start_time,
+    "num_devices": num_devices,
+    "num_processes": jax.process_count(),
+    "params_fingerprint": steps.params_fingerprint(state),
+    "state_fingerprint": steps.state_fingerprint(state),
+    "config": config_record,
   }
   writer.finish(summary)
   manager.close()
-  logging.info("done: %s", json.dumps({k: v for k, v in summary.items()
-                                        if k != "config"}))
+  logging.info(
+    "done: %s", json.dumps({k: v for k, v in summary.items() if k != "config"})
+  )
   return summary

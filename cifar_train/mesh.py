@@ -10,9 +10,9 @@ from jax.sharding import Mesh, NamedSharding
 from cifar_train.errors import ConfigError
 
 
-def initialize_distributed(coordinator_address: str = "",
-                           num_processes: int = 1,
-                           process_id: int = 0) -> None:
+def initialize_distributed(
+  coordinator_address: str = "", num_processes: int = 1, process_id: int = 0
+) -> None:
   """Joins a multi-process run when one is configured; no-op otherwise.
 
   ``coordinator_address`` (with ``num_processes`` and ``process_id``) starts
@@ -20,10 +20,11 @@ def initialize_distributed(coordinator_address: str = "",
   (SLURM, Open MPI, ``JAX_COORDINATOR_ADDRESS``) does.
   """
   if coordinator_address:
-    jax.distributed.initialize(coordinator_address, num_processes,
-                               process_id)
-  elif any(v in os.environ for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
-                                     "JAX_COORDINATOR_ADDRESS")):
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+  elif any(
+    v in os.environ
+    for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
+  ):
     jax.distributed.initialize()
 
 
@@ -40,27 +41,34 @@ def create_mesh(num_devices: int, batch_sizes: dict[str, int]) -> Mesh:
   devices = jax.devices()
   n = num_devices or len(devices)
   if n > len(devices):
-    raise ConfigError(f"num_devices={n} but only {len(devices)} devices are "
-                      "visible")
+    raise ConfigError(
+      f"num_devices={n} but only {len(devices)} devices are visible"
+    )
   for key, size in batch_sizes.items():
     if size % n:
       raise ConfigError(
-          f"{key} {size} is not divisible by the {n} devices; use a "
-          f"multiple of {n}")
+        f"{key} {size} is not divisible by the {n} devices; use a "
+        f"multiple of {n}"
+      )
   return Mesh(np.asarray(devices[:n]), ("data",))
 
 
-def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding
-                 ) -> dict[str, jax.Array]:
+def global_batch(
+  local: dict[str, np.ndarray], sharding: NamedSharding
+) -> dict[str, jax.Array]:
   """A global array sharded over ``data`` from this process's rows."""
-  return {k: jax.make_array_from_process_local_data(sharding, v)
-          for k, v in local.items()}
+  return {
+    k: jax.make_array_from_process_local_data(sharding, v)
+    for k, v in local.items()
+  }
 
 
 def to_host(tree: Any) -> Any:
   """Fetches replicated arrays, also those spanning several processes."""
+
   def fetch(x):
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       return np.asarray(x.addressable_data(0))
     return np.asarray(jax.device_get(x))
+
   return jax.tree.map(fetch, tree)

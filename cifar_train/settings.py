@@ -37,6 +37,7 @@ class Precision:
     hysteresis: back off from the ``hysteresis``-th overflow in a row.
     master_weights: half-precision params keep fp32 masters.
   """
+
   name: str
   param_dtype: Any
   compute_dtype: Any
@@ -50,6 +51,7 @@ class Precision:
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """Every value of a run, checked. Field meanings: ``configs/default.py``."""
+
   model: str
   num_filters: int
   precision: Precision
@@ -97,29 +99,33 @@ def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
   policy = preset.policy
   if _is_dynamic(preset.loss_scale):
     loss_scale = jmp.DynamicLossScale(
-        np.float32(config.init_loss_scale),
-        period=int(config.loss_scale_period),
-        factor=config.loss_scale_factor,
-        min_loss_scale=np.float32(config.min_loss_scale))
-  elif isinstance(preset.loss_scale, (jmp.StaticLossScale,
-                                      jmp.NoOpLossScale)):
+      np.float32(config.init_loss_scale),
+      period=int(config.loss_scale_period),
+      factor=config.loss_scale_factor,
+      min_loss_scale=np.float32(config.min_loss_scale),
+    )
+  elif isinstance(preset.loss_scale, (jmp.StaticLossScale, jmp.NoOpLossScale)):
     loss_scale = preset.loss_scale
   else:
     loss_scale = jmp.NoOpLossScale()
-  norm_dtype = (jnp.float32 if preset.keep_batchnorm_fp32 else
-                policy.param_dtype)
+  norm_dtype = jnp.float32 if preset.keep_batchnorm_fp32 else policy.param_dtype
   return Precision(
-      name=preset.name, param_dtype=policy.param_dtype,
-      compute_dtype=policy.compute_dtype, norm_dtype=norm_dtype,
-      loss_scale=loss_scale, max_loss_scale=float(config.max_loss_scale),
-      hysteresis=int(config.loss_scale_hysteresis),
-      master_weights=preset.master_weights)
+    name=preset.name,
+    param_dtype=policy.param_dtype,
+    compute_dtype=policy.compute_dtype,
+    norm_dtype=norm_dtype,
+    loss_scale=loss_scale,
+    max_loss_scale=float(config.max_loss_scale),
+    hysteresis=int(config.loss_scale_hysteresis),
+    master_weights=preset.master_weights,
+  )
 
 
 def _choice(config, key: str, valid: tuple[str, ...]) -> str:
   if config[key] not in valid:
-    raise ConfigError(f"unknown {key} {config[key]!r}; valid: "
-                      f"{', '.join(valid)}")
+    raise ConfigError(
+      f"unknown {key} {config[key]!r}; valid: {', '.join(valid)}"
+    )
   return config[key]
 
 
@@ -132,15 +138,22 @@ def resolve(config: ml_collections.ConfigDict) -> Settings:
   model = _choice(config, "model", MODELS)
   dataset = _choice(config, "dataset", DATASETS)
   precision = resolve_precision(config)
-  for key in ("batch_size", "eval_batch_size", "num_filters", "num_epochs",
-              "log_every_steps"):
+  for key in (
+    "batch_size",
+    "eval_batch_size",
+    "num_filters",
+    "num_epochs",
+    "log_every_steps",
+  ):
     if int(config[key]) < 1:
       raise ConfigError(f"{key} must be >= 1, got {config[key]}")
   lr_schedule = _choice(config, "lr_schedule", SCHEDULES)
   if dataset == "image_folder":
     if not config.data_dir:
-      raise ConfigError("dataset 'image_folder' needs --config.data_dir=DIR "
-                        "holding train/<class>/* and test/<class>/*")
+      raise ConfigError(
+        "dataset 'image_folder' needs --config.data_dir=DIR "
+        "holding train/<class>/* and test/<class>/*"
+      )
     if not os.path.isdir(config.data_dir):
       raise ConfigError(f"data_dir {config.data_dir!r} does not exist")
   if len(config.mean) != 3 or len(config.std) != 3:
@@ -148,28 +161,36 @@ def resolve(config: ml_collections.ConfigDict) -> Settings:
   if int(config.num_devices) < 0:
     raise ConfigError(f"num_devices must be >= 0, got {config.num_devices}")
   return Settings(
-      model=model, num_filters=int(config.num_filters), precision=precision,
-      max_consecutive_skips=int(config.max_consecutive_skips),
-      dataset=dataset, data_dir=config.data_dir,
-      mean=tuple(float(m) for m in config.mean),
-      std=tuple(float(s) for s in config.std),
-      augment=bool(config.augment), data_on_device=bool(config.data_on_device),
-      synthetic_train_examples=int(config.synthetic_train_examples),
-      synthetic_test_examples=int(config.synthetic_test_examples),
-      batch_size=int(config.batch_size),
-      eval_batch_size=int(config.eval_batch_size),
-      num_epochs=int(config.num_epochs),
-      num_train_steps=int(config.num_train_steps),
-      learning_rate=float(config.learning_rate), lr_schedule=lr_schedule,
-      warmup_epochs=float(config.warmup_epochs),
-      momentum=float(config.momentum), nesterov=bool(config.nesterov),
-      weight_decay=float(config.weight_decay),
-      label_smoothing=float(config.label_smoothing),
-      num_devices=int(config.num_devices),
-      coordinator_address=config.coordinator_address,
-      num_processes=int(config.num_processes),
-      process_id=int(config.process_id), seed=int(config.seed),
-      log_every_steps=int(config.log_every_steps),
-      checkpoint_every_steps=int(config.checkpoint_every_steps),
-      keep_checkpoints=int(config.keep_checkpoints),
-      progress_bar=bool(config.progress_bar))
+    model=model,
+    num_filters=int(config.num_filters),
+    precision=precision,
+    max_consecutive_skips=int(config.max_consecutive_skips),
+    dataset=dataset,
+    data_dir=config.data_dir,
+    mean=tuple(float(m) for m in config.mean),
+    std=tuple(float(s) for s in config.std),
+    augment=bool(config.augment),
+    data_on_device=bool(config.data_on_device),
+    synthetic_train_examples=int(config.synthetic_train_examples),
+    synthetic_test_examples=int(config.synthetic_test_examples),
+    batch_size=int(config.batch_size),
+    eval_batch_size=int(config.eval_batch_size),
+    num_epochs=int(config.num_epochs),
+    num_train_steps=int(config.num_train_steps),
+    learning_rate=float(config.learning_rate),
+    lr_schedule=lr_schedule,
+    warmup_epochs=float(config.warmup_epochs),
+    momentum=float(config.momentum),
+    nesterov=bool(config.nesterov),
+    weight_decay=float(config.weight_decay),
+    label_smoothing=float(config.label_smoothing),
+    num_devices=int(config.num_devices),
+    coordinator_address=config.coordinator_address,
+    num_processes=int(config.num_processes),
+    process_id=int(config.process_id),
+    seed=int(config.seed),
+    log_every_steps=int(config.log_every_steps),
+    checkpoint_every_steps=int(config.checkpoint_every_steps),
+    keep_checkpoints=int(config.keep_checkpoints),
+    progress_bar=bool(config.progress_bar),
+  )

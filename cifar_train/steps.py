@@ -33,6 +33,7 @@ class TrainState:
     opt_state: optimizer state, including jaxmp's masters and loss scale.
     rng: the data/augmentation key of the run.
   """
+
   step: jax.Array
   params: Any
   batch_stats: Any
@@ -40,69 +41,97 @@ class TrainState:
   rng: jax.Array
 
 
-def create_model(name: str, *, num_classes: int, num_filters: int,
-                 precision: Precision,
-                 axis_name: Optional[str] = None) -> models.ResNet:
+def create_model(
+  name: str,
+  *,
+  num_classes: int,
+  num_filters: int,
+  precision: Precision,
+  axis_name: Optional[str] = None,
+) -> models.ResNet:
   """The ResNet ``name`` with the precision's dtypes."""
   return models.get_model(
-      name, num_classes=num_classes, num_filters=num_filters,
-      dtype=precision.compute_dtype, param_dtype=precision.param_dtype,
-      norm_dtype=precision.norm_dtype, axis_name=axis_name)
+    name,
+    num_classes=num_classes,
+    num_filters=num_filters,
+    dtype=precision.compute_dtype,
+    param_dtype=precision.param_dtype,
+    norm_dtype=precision.norm_dtype,
+    axis_name=axis_name,
+  )
 
 
-def create_learning_rate(base: float, *, schedule: str, warmup_steps: int,
-                         total_steps: int) -> optax.Schedule:
+def create_learning_rate(
+  base: float, *, schedule: str, warmup_steps: int, total_steps: int
+) -> optax.Schedule:
   """Optional linear warm-up, then cosine decay or a constant."""
   if schedule == "constant":
     main = optax.constant_schedule(base)
   else:
-    main = optax.cosine_decay_schedule(base, max(total_steps - warmup_steps,
-                                                 1))
+    main = optax.cosine_decay_schedule(base, max(total_steps - warmup_steps, 1))
   if warmup_steps == 0:
     return main
   return optax.join_schedules(
-      [optax.linear_schedule(0.0, base, warmup_steps), main], [warmup_steps])
+    [optax.linear_schedule(0.0, base, warmup_steps), main], [warmup_steps]
+  )
 
 
-def create_optimizer(precision: Precision, learning_rate: optax.ScalarOrSchedule,
-                     *, momentum: float, nesterov: bool = False,
-                     weight_decay: float = 0.0
-                     ) -> optax.GradientTransformation:
+def create_optimizer(
+  precision: Precision,
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  momentum: float,
+  nesterov: bool = False,
+  weight_decay: float = 0.0,
+) -> optax.GradientTransformation:
   """SGD with momentum and coupled weight decay (torch.optim.SGD), wrapped.
 
   Apex's FusedSGD fused the update into one kernel; here XLA fuses the whole
   optax chain, masters and loss-scale bookkeeping included.
   """
   inner = optax.chain(
-      optax.add_decayed_weights(weight_decay),
-      optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov))
+    optax.add_decayed_weights(weight_decay),
+    optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov),
+  )
   return jaxmp.mixed_precision(
-      inner, loss_scale=precision.loss_scale,
-      max_loss_scale=precision.max_loss_scale,
-      hysteresis=precision.hysteresis,
-      master_weights=precision.master_weights)
+    inner,
+    loss_scale=precision.loss_scale,
+    max_loss_scale=precision.max_loss_scale,
+    hysteresis=precision.hysteresis,
+    master_weights=precision.master_weights,
+  )
 
 
-def create_train_state(model: models.ResNet,
-                       optimizer: optax.GradientTransformation,
-                       image_shape: Sequence[int], *, seed: int) -> TrainState:
+def create_train_state(
+  model: models.ResNet,
+  optimizer: optax.GradientTransformation,
+  image_shape: Sequence[int],
+  *,
+  seed: int,
+) -> TrainState:
   """Initialises params (in the param dtype), BatchNorm stats and opt state."""
   init_key, data_key = jax.random.split(jax.random.key(seed))
 
   @jax.jit
   def init(key):
-    variables = model.init(key, jnp.zeros((1,) + tuple(image_shape)),
-                           train=False)
+    variables = model.init(
+      key, jnp.zeros((1,) + tuple(image_shape)), train=False
+    )
     return variables["params"], variables.get("batch_stats", {})
 
   params, batch_stats = init(init_key)
-  return TrainState(step=jnp.zeros([], jnp.int32), params=params,
-                    batch_stats=batch_stats, opt_state=optimizer.init(params),
-                    rng=jax.random.key_data(data_key))
+  return TrainState(
+    step=jnp.zeros([], jnp.int32),
+    params=params,
+    batch_stats=batch_stats,
+    opt_state=optimizer.init(params),
+    rng=jax.random.key_data(data_key),
+  )
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array,
-                  label_smoothing: float = 0.0) -> jax.Array:
+def cross_entropy(
+  logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0
+) -> jax.Array:
   """Per-example softmax cross-entropy, in fp32."""
   logits = logits.astype(jnp.float32)
   one_hot = jax.nn.one_hot(labels, logits.shape[-1])
@@ -113,19 +142,24 @@ def cross_entropy(logits: jax.Array, labels: jax.Array,
 
 def zero_metrics() -> dict[str, jax.Array]:
   """The train step's running sums, at zero."""
-  return {"loss_sum": jnp.zeros([], jnp.float32),
-          "correct": jnp.zeros([], jnp.int32),
-          "count": jnp.zeros([], jnp.int32),
-          "last_loss": jnp.zeros([], jnp.float32)}
+  return {
+    "loss_sum": jnp.zeros([], jnp.float32),
+    "correct": jnp.zeros([], jnp.int32),
+    "count": jnp.zeros([], jnp.int32),
+    "last_loss": jnp.zeros([], jnp.float32),
+  }
 
 
 TrainStep = Callable[..., tuple[TrainState, dict[str, jax.Array]]]
 
 
-def make_train_step(model: models.ResNet,
-                    optimizer: optax.GradientTransformation, *,
-                    compute_dtype: Any,
-                    label_smoothing: float = 0.0) -> TrainStep:
+def make_train_step(
+  model: models.ResNet,
+  optimizer: optax.GradientTransformation,
+  *,
+  compute_dtype: Any,
+  label_smoothing: float = 0.0,
+) -> TrainStep:
   """Returns ``train_step(state, images, labels, metrics) -> (state, metrics)``.
 
   ``images`` are normalised float images; ``metrics`` accumulates
@@ -137,36 +171,49 @@ def make_train_step(model: models.ResNet,
 
     def loss_fn(params):
       logits, new_vars = model.apply(
-          {"params": params, "batch_stats": state.batch_stats}, images,
-          train=True, mutable=["batch_stats"])
+        {"params": params, "batch_stats": state.batch_stats},
+        images,
+        train=True,
+        mutable=["batch_stats"],
+      )
       loss = cross_entropy(logits, labels, label_smoothing).mean()
       return jaxmp.scale_loss(loss, state.opt_state), (loss, logits, new_vars)
 
     grads, (loss, logits, new_vars) = jax.grad(loss_fn, has_aux=True)(
-        state.params)
+      state.params
+    )
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # The forward pass of a skipped step must not move the running stats.
     batch_stats = jaxmp.rollback_if_skipped(
-        opt_state, new_vars["batch_stats"], state.batch_stats)
+      opt_state, new_vars["batch_stats"], state.batch_stats
+    )
     n = labels.shape[0]
     metrics = {
-        "loss_sum": metrics["loss_sum"] + loss * n,
-        "correct": metrics["correct"] + jnp.sum(
-            jnp.argmax(logits, -1) == labels),
-        "count": metrics["count"] + n,
-        "last_loss": loss,
+      "loss_sum": metrics["loss_sum"] + loss * n,
+      "correct": metrics["correct"] + jnp.sum(jnp.argmax(logits, -1) == labels),
+      "count": metrics["count"] + n,
+      "last_loss": loss,
     }
-    return state.replace(step=state.step + 1, params=params,
-                         batch_stats=batch_stats, opt_state=opt_state), metrics
+    return state.replace(
+      step=state.step + 1,
+      params=params,
+      batch_stats=batch_stats,
+      opt_state=opt_state,
+    ), metrics
 
   return train_step
 
 
-def make_device_train_step(train_step: TrainStep, *, batch_size: int,
-                           batch_sharding: NamedSharding, augment: bool,
-                           mean: Sequence[float],
-                           std: Sequence[float]) -> TrainStep:
+def make_device_train_step(
+  train_step: TrainStep,
+  *,
+  batch_size: int,
+  batch_sharding: NamedSharding,
+  augment: bool,
+  mean: Sequence[float],
+  std: Sequence[float],
+) -> TrainStep:
   """`train_step` over a data set kept on the devices.
 
   ``step(state, images_u8, labels, perm, batch_index, metrics)`` slices the
@@ -176,8 +223,9 @@ def make_device_train_step(train_step: TrainStep, *, batch_size: int,
   """
 
   def step(state, images_u8, labels, perm, batch_index, metrics):
-    idx = jax.lax.dynamic_slice_in_dim(perm, batch_index * batch_size,
-                                       batch_size)
+    idx = jax.lax.dynamic_slice_in_dim(
+      perm, batch_index * batch_size, batch_size
+    )
     idx = jax.lax.with_sharding_constraint(idx, batch_sharding)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     x = images_u8[idx]
@@ -198,13 +246,15 @@ def make_eval_step(model: models.ResNet, *, compute_dtype: Any):
 
   def eval_step(state: TrainState, images, labels, mask):
     logits = model.apply(
-        {"params": state.params, "batch_stats": state.batch_stats},
-        images.astype(compute_dtype), train=False)
+      {"params": state.params, "batch_stats": state.batch_stats},
+      images.astype(compute_dtype),
+      train=False,
+    )
     mask = mask.astype(jnp.float32)
     return {
-        "loss_sum": jnp.sum(cross_entropy(logits, labels) * mask),
-        "correct": jnp.sum((jnp.argmax(logits, -1) == labels) * mask),
-        "count": jnp.sum(mask),
+      "loss_sum": jnp.sum(cross_entropy(logits, labels) * mask),
+      "correct": jnp.sum((jnp.argmax(logits, -1) == labels) * mask),
+      "count": jnp.sum(mask),
     }
 
   return eval_step
@@ -220,7 +270,8 @@ def _digest(tree: Any) -> str:
   digest = hashlib.sha256()
   for path, leaf in sorted(flat, key=lambda kv: jax.tree_util.keystr(kv[0])):
     if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(
-        leaf.dtype, jax.dtypes.prng_key):
+      leaf.dtype, jax.dtypes.prng_key
+    ):
       leaf = jax.random.key_data(leaf)
     array = np.ascontiguousarray(mesh.to_host(leaf))
     digest.update(jax.tree_util.keystr(path).encode())
@@ -240,6 +291,12 @@ def state_fingerprint(state: TrainState) -> str:
   Step, params, batch_stats, the whole opt_state (scale, counters, momentum,
   masters) and the data key.
   """
-  return _digest({"step": state.step, "params": state.params,
-                  "batch_stats": state.batch_stats,
-                  "opt_state": state.opt_state, "rng": state.rng})
+  return _digest(
+    {
+      "step": state.step,
+      "params": state.params,
+      "batch_stats": state.batch_stats,
+      "opt_state": state.opt_state,
+      "rng": state.rng,
+    }
+  )

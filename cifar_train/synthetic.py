@@ -43,7 +43,7 @@ def _palette() -> tuple[np.ndarray, np.ndarray]:
 
 
 def make_examples(
-    num_examples: int, *, seed: int, split: str
+  num_examples: int, *, seed: int, split: str
 ) -> tuple[np.ndarray, np.ndarray]:
   """Draws a split of the synthetic data set, deterministically.
 
@@ -68,9 +68,9 @@ def make_examples(
   f = (freq[labels] * rng.uniform(0.9, 1.1, n)).astype(np.float32)[:, None]
   wave = 0.5 + 0.5 * np.sin(2 * np.pi * f * coords + phase)  # [n, 32]
   # Horizontal stripes vary along rows, vertical ones along columns.
-  mix = np.where(
-      horizontal[:, None, None], wave[:, :, None], wave[:, None, :]
-  )[..., None]  # [n, 32, 32, 1]
+  mix = np.where(horizontal[:, None, None], wave[:, :, None], wave[:, None, :])[
+    ..., None
+  ]  # [n, 32, 32, 1]
 
   # Per-example brightness and colour shift, folded into two [n, 1, 1, 3]
   # terms so that the full-size arithmetic is one multiply and one add.
@@ -84,8 +84,12 @@ def make_examples(
   size = rng.integers(6, 13, (n, 2))
   top_left = rng.integers(0, IMAGE_SIZE - 6, (n, 2))
   pixels = np.arange(IMAGE_SIZE)
-  in_rows = (pixels >= top_left[:, :1]) & (pixels < top_left[:, :1] + size[:, :1])
-  in_cols = (pixels >= top_left[:, 1:]) & (pixels < top_left[:, 1:] + size[:, 1:])
+  in_rows = (pixels >= top_left[:, :1]) & (
+    pixels < top_left[:, :1] + size[:, :1]
+  )
+  in_cols = (pixels >= top_left[:, 1:]) & (
+    pixels < top_left[:, 1:] + size[:, 1:]
+  )
   box = (in_rows[:, :, None] & in_cols[:, None, :])[..., None]
   box_colour = rng.uniform(0, 255, (n, 1, 1, 3)).astype(np.float32)
   np.copyto(images, box_colour, where=box)
@@ -119,21 +123,19 @@ class SyntheticConfig(tfds.core.BuilderConfig):
 
 
 def synthetic_config(
-    num_train: int = 10_000, num_test: int = 2_000, data_seed: int = 0
+  num_train: int = 10_000, num_test: int = 2_000, data_seed: int = 0
 ) -> SyntheticConfig:
   """Returns a `SyntheticConfig` named after its sizes and seed."""
   return SyntheticConfig(
-      name=f"train{num_train}_test{num_test}_seed{data_seed}",
-      num_train=num_train,
-      num_test=num_test,
-      data_seed=data_seed,
-      description="Procedural 10-class 32x32 images (see jaxmp/_src/synthetic.py).",
+    name=f"train{num_train}_test{num_test}_seed{data_seed}",
+    num_train=num_train,
+    num_test=num_test,
+    data_seed=data_seed,
+    description="Procedural 10-class 32x32 images (see jaxmp/_src/synthetic.py).",
   )
 
 
-class JaxmpSynthetic(
-    tfds.core.GeneratorBasedBuilder, skip_registration=True
-):
+class JaxmpSynthetic(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Procedural CIFAR10-shaped data set; `download_and_prepare` needs no network.
 
   Not registered by name (`skip_registration`): construct the class, which
@@ -160,27 +162,29 @@ class JaxmpSynthetic(
     # tfds refuses a config instance that shares its name with a registered
     # one (it compares by identity); pass the registered one's name instead.
     if isinstance(config, SyntheticConfig) and config.name in {
-        c.name for c in self.BUILDER_CONFIGS
+      c.name for c in self.BUILDER_CONFIGS
     }:
       config = config.name
     super().__init__(config=config, **kwargs)
 
   def _info(self) -> tfds.core.DatasetInfo:
     return self.dataset_info_from_configs(
-        features=tfds.features.FeaturesDict({
-            "image": tfds.features.Image(shape=(IMAGE_SIZE, IMAGE_SIZE, 3)),
-            "label": tfds.features.ClassLabel(num_classes=NUM_CLASSES),
-        }),
-        supervised_keys=("image", "label"),
-        homepage="https://github.com/jaxmp/jaxmp",
+      features=tfds.features.FeaturesDict(
+        {
+          "image": tfds.features.Image(shape=(IMAGE_SIZE, IMAGE_SIZE, 3)),
+          "label": tfds.features.ClassLabel(num_classes=NUM_CLASSES),
+        }
+      ),
+      supervised_keys=("image", "label"),
+      homepage="https://github.com/jaxmp/jaxmp",
     )
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager):
     del dl_manager  # Nothing to download.
     cfg = self.builder_config
     return {
-        "train": self._generate_examples("train", cfg.num_train, cfg.data_seed),
-        "test": self._generate_examples("test", cfg.num_test, cfg.data_seed),
+      "train": self._generate_examples("train", cfg.num_train, cfg.data_seed),
+      "test": self._generate_examples("test", cfg.num_test, cfg.data_seed),
     }
 
   def _generate_examples(self, split: str, num_examples: int, seed: int):
@@ -214,9 +218,11 @@ def _encode_png(image: np.ndarray) -> bytes:
   rows = np.zeros((height, 1 + 3 * width), np.uint8)  # Filter byte 0: none.
   rows[:, 1:] = image.reshape(height, -1)
   header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB.
-  return b"".join([
+  return b"".join(
+    [
       _PNG_SIGNATURE,
       _png_chunk(b"IHDR", header),
       _png_chunk(b"IDAT", zlib.compress(rows.tobytes(), 0)),
       _png_chunk(b"IEND", b""),
-  ])
+    ]
+  )

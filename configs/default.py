@@ -20,7 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
 
   # Model.
-  config.model = "resnet18"  # "resnet18" (CIFAR stem) or "resnet18_torchvision".
+  config.model = (
+    "resnet18"  # "resnet18" (CIFAR stem) or "resnet18_torchvision".
+  )
   config.num_filters = 64
 
   # Precision: an Apex-style preset (O0, O1, O2, O3, bf16) or a jmp policy

@@ -9,7 +9,8 @@ import jaxmp
 
 model = eqx.nn.Linear(4, 1, key=jax.random.key(0))
 model = jax.tree.map(
-    lambda x: x.astype(jnp.float16) if eqx.is_inexact_array(x) else x, model)
+  lambda x: x.astype(jnp.float16) if eqx.is_inexact_array(x) else x, model
+)
 opt = jaxmp.mixed_precision(optax.adam(1e-2))
 opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
 
@@ -19,6 +20,7 @@ def train_step(model, opt_state, x, y):
   def loss_fn(model):
     loss = jnp.mean((jax.vmap(model)(x).astype(jnp.float32) - y) ** 2)
     return jaxmp.scale_loss(loss, opt_state), loss
+
   (_, loss), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model)
   params, static = eqx.partition(model, eqx.is_inexact_array)
   updates, opt_state = opt.update(grads, opt_state, params)
@@ -36,5 +38,7 @@ for _ in range(20):
   losses.append(float(loss))
 stats = jax.device_get(jaxmp.stats(opt_state))
 print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, params {model.weight.dtype}")
-print(f"loss scale: {stats['loss_scale']:g}, "
-      f"skipped steps: {stats['skipped_steps']}")
+print(
+  f"loss scale: {stats['loss_scale']:g}, "
+  f"skipped steps: {stats['skipped_steps']}"
+)

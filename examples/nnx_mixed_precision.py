@@ -18,8 +18,9 @@ class MLP(nnx.Module):
 
 
 model = MLP(nnx.Rngs(0))
-opt = nnx.Optimizer(model, jaxmp.mixed_precision(optax.adam(1e-2)),
-                    wrt=nnx.Param)
+opt = nnx.Optimizer(
+  model, jaxmp.mixed_precision(optax.adam(1e-2)), wrt=nnx.Param
+)
 
 
 @nnx.jit
@@ -27,6 +28,7 @@ def train_step(model, opt, x, y):
   def loss_fn(model):
     loss = jnp.mean((model(x).astype(jnp.float32) - y) ** 2)  # fp32 loss
     return jaxmp.scale_loss(loss, opt.opt_state), loss
+
   grads, loss = nnx.grad(loss_fn, has_aux=True)(model)
   opt.update(model, grads)  # unscales, skips on inf/nan, steps fp32 masters
   return loss
@@ -36,7 +38,10 @@ x = jax.random.normal(jax.random.key(1), (32, 4)).astype(jnp.float16)
 y = jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True)
 losses = [float(train_step(model, opt, x, y)) for _ in range(20)]
 stats = nnx.as_pure(jaxmp.stats(opt.opt_state))  # unwrap the nnx Variables
-print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-      f"params {model.l1.kernel.dtype}")
-print(f"loss scale: {float(stats['loss_scale']):g}, "
-      f"skipped steps: {int(stats['skipped_steps'])}")
+print(
+  f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, params {model.l1.kernel.dtype}"
+)
+print(
+  f"loss scale: {float(stats['loss_scale']):g}, "
+  f"skipped steps: {int(stats['skipped_steps'])}"
+)

@@ -24,8 +24,10 @@ def step(opt, loss_fn, params, state):  # one model, its loss, its scale
 @jax.jit
 def gan_step(gen, g_state, disc, d_state, z, real, g_poison):
   fake = z @ gen["w"]
-  d_loss = lambda d: (jax.nn.softplus(-logit(d, real)).mean() +
-                      jax.nn.softplus(logit(d, fake)).mean())
+  d_loss = lambda d: (
+    jax.nn.softplus(-logit(d, real)).mean()
+    + jax.nn.softplus(logit(d, fake)).mean()
+  )
   disc, d_state = step(d_opt, d_loss, disc, d_state)
   g_loss = lambda g: jax.nn.softplus(-logit(disc, z @ g["w"])).mean() * g_poison
   gen, g_state = step(g_opt, g_loss, gen, g_state)
@@ -34,8 +36,9 @@ def gan_step(gen, g_state, disc, d_state, z, real, g_poison):
 
 z, real = half(jax.random.key(2), (8, 2)), half(jax.random.key(3), (8, 3))
 for poison in [1.0, 1.0, jnp.inf]:  # the last step overflows G's gradients
-  gen, g_state, disc, d_state = gan_step(gen, g_state, disc, d_state, z, real,
-                                         poison)
+  gen, g_state, disc, d_state = gan_step(
+    gen, g_state, disc, d_state, z, real, poison
+  )
 g, d = jax.device_get((jaxmp.stats(g_state), jaxmp.stats(d_state)))
 print(f"G skipped {g['skipped_steps']}, scale {g['loss_scale']:g}")
 print(f"D skipped {d['skipped_steps']}, scale {d['loss_scale']:g}")

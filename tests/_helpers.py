@@ -50,8 +50,9 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # The tests use tiny shapes, so XLA's slow LLVM optimisations only cost
 # compile time (about half of the suite's CPU time without these two flags).
 # Exactness claims are checked once without them (``-m invariant``).
-FAST_COMPILE = ("--xla_backend_optimization_level=0 "
-                "--xla_llvm_disable_expensive_passes=true")
+FAST_COMPILE = (
+  "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+)
 ROOT = os.path.dirname(TESTS)
 TMP_MARK = ".orbax-checkpoint-tmp"
 
@@ -59,6 +60,7 @@ TMP_MARK = ".orbax-checkpoint-tmp"
 def tiny_config(data_dir: str, **overrides):
   """``configs/smoke.py`` shrunk to a 4-filter net, 6 steps, on 256 images."""
   from configs import smoke  # pylint: disable=g-import-not-at-top
+
   config = smoke.get_config()
   config.data_dir = data_dir
   config.synthetic_train_examples = 256
@@ -80,20 +82,31 @@ def load_tiny_data(data_dir: str):
   """The synthetic data set of `tiny_config`."""
   from cifar_train import loop  # pylint: disable=g-import-not-at-top
   from cifar_train import settings  # pylint: disable=g-import-not-at-top
+
   return loop.load_data(settings.resolve(tiny_config(data_dir)))
 
 
-def run_driver(spec: dict, path: str, *, devices: int = 4,
-               timeout: float = 300) -> list[dict]:
+def run_driver(
+  spec: dict, path: str, *, devices: int = 4, timeout: float = 300
+) -> list[dict]:
   """Runs the driver on ``spec`` (written to ``path``); returns the results."""
   spec = dict(spec, results=path + ".results.json")
   with open(path, "w") as f:
     json.dump(spec, f)
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-             + FAST_COMPILE)
-  out = subprocess.run([sys.executable, __file__, path], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+    + FAST_COMPILE,
+  )
+  out = subprocess.run(
+    [sys.executable, __file__, path],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   with open(spec["results"]) as f:
     return json.load(f)
@@ -110,8 +123,9 @@ def read_log(job: dict) -> str:
 
 
 def tmp_dirs(workdir: str) -> list[str]:
-  return sorted(glob.glob(os.path.join(workdir, "checkpoints",
-                                       f"*{TMP_MARK}*")))
+  return sorted(
+    glob.glob(os.path.join(workdir, "checkpoints", f"*{TMP_MARK}*"))
+  )
 
 
 def listing(workdir: str) -> dict[str, list[str]]:
@@ -119,9 +133,11 @@ def listing(workdir: str) -> dict[str, list[str]]:
   root = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(root):
     return {}
-  return {name: sorted(os.listdir(os.path.join(root, name)))
-          for name in sorted(os.listdir(root))
-          if os.path.isdir(os.path.join(root, name))}
+  return {
+    name: sorted(os.listdir(os.path.join(root, name)))
+    for name in sorted(os.listdir(root))
+    if os.path.isdir(os.path.join(root, name))
+  }
 
 
 def _kill() -> None:
@@ -145,64 +161,81 @@ def _install_fault(fault: str, at: int) -> None:
 
   save = checkpoint.save
   if fault == "kill_before_save":
+
     def patched_save(manager, state, step, *args):
       if step == at:
         manager.wait_until_finished()  # The previous save is complete.
         _kill()
       return save(manager, state, step, *args)
+
     checkpoint.save = patched_save
 
   elif fault == "kill_during_write":
     finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
     async def held_finalize(self, *args, **kwargs):
       if _step_of(self.get()) == at:
         threading.Event().wait()  # Never renamed: the kill comes first.
       return await finalize(self, *args, **kwargs)
+
     atomicity.AtomicRenameTemporaryPath.finalize = held_finalize
 
     def patched_save(manager, state, step, *args):
       save(manager, state, step, *args)
       if step == at:
-        pattern = os.path.join(str(manager.directory), f"{at}{TMP_MARK}*",
-                               "state*", "**", "*")
+        pattern = os.path.join(
+          str(manager.directory), f"{at}{TMP_MARK}*", "state*", "**", "*"
+        )
         deadline = time.time() + 20
         files = []
         while time.time() < deadline and not files:
-          files = [p for p in glob.glob(pattern, recursive=True)
-                   if os.path.isfile(p)]
+          files = [
+            p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)
+          ]
           time.sleep(0.001)
-        print(f"killing during the write of {at} ({len(files)} files written)",
-              flush=True)
+        print(
+          f"killing during the write of {at} ({len(files)} files written)",
+          flush=True,
+        )
         _kill()
+
     checkpoint.save = patched_save
 
   elif fault == "kill_after_write":
     rename = async_path.rename
+
     async def patched_rename(src, dst):
       if _step_of(src) == at:
         done = os.path.exists(os.path.join(str(src), "commit_success.txt"))
-        print(f"killing before the rename of {src} (commit_success: {done})",
-              flush=True)
+        print(
+          f"killing before the rename of {src} (commit_success: {done})",
+          flush=True,
+        )
         _kill()
       return await rename(src, dst)
+
     async_path.rename = patched_rename
 
   elif fault == "kill_during_cleanup":
     delete = deleter.PathDeleter.delete
+
     def patched_delete(self, path, *args, **kwargs):
       if os.path.basename(str(path)) == str(at):
         shutil.rmtree(os.path.join(str(path), "state"))
         print(f"killing while deleting {path}", flush=True)
         _kill()
       return delete(self, path, *args, **kwargs)
+
     deleter.PathDeleter.delete = patched_delete
 
   elif fault == "enospc":
     write_text = async_path.write_text
+
     async def full_disk(path, text):
       if _step_of(path) == at and os.path.basename(str(path)) == "_METADATA":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
       return await write_text(path, text)
+
     async_path.write_text = full_disk
 
   elif fault:
@@ -219,8 +252,10 @@ def _run_job(job: dict, data) -> None:
   # pylint: disable=g-import-not-at-top
   from cifar_train import cli
   from cifar_train import loop
-  config = tiny_config(job["data_dir"], data_on_device=True,
-                       **job.get("config", {}))
+
+  config = tiny_config(
+    job["data_dir"], data_on_device=True, **job.get("config", {})
+  )
   _install_fault(job.get("fault", ""), int(job.get("step", 0)))
   if job.get("cli"):
     os._exit(cli.run(config, job["workdir"], data=data))  # pylint: disable=protected-access
@@ -239,6 +274,7 @@ def main(spec_path: str) -> None:
   import matplotlib.pyplot  # noqa: F401
   import tensorboardX  # noqa: F401
   import orbax.checkpoint  # noqa: F401
+
   # The parent reads the data (TensorFlow) but never initialises JAX.
   data = load_tiny_data(spec["data_dir"])
   results = []
@@ -253,9 +289,13 @@ def main(spec_path: str) -> None:
       finally:
         os._exit(70)  # pylint: disable=protected-access
     _, status, usage = os.wait4(pid, 0)
-    results.append({"exit": os.waitstatus_to_exitcode(status),
-                    "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
-                    "checkpoints": listing(job["workdir"])})
+    results.append(
+      {
+        "exit": os.waitstatus_to_exitcode(status),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+        "checkpoints": listing(job["workdir"]),
+      }
+    )
   with open(spec["results"], "w") as f:
     json.dump(results, f)
 
@@ -273,38 +313,62 @@ def distributed_main(spec_path: str, process_id: int) -> None:
   # pylint: disable=g-import-not-at-top
   from cifar_train import loop
   from cifar_train import mesh
+
   for j, overrides in enumerate(spec["jobs"]):
     config = tiny_config(spec["data_dir"], **overrides)
     if j == 0:
-      mesh.initialize_distributed(spec["coordinator_address"],
-                                  spec["num_processes"], process_id)
+      mesh.initialize_distributed(
+        spec["coordinator_address"], spec["num_processes"], process_id
+      )
     summary = loop.train_and_evaluate(config, spec["workdir"])
-    print(f"process {process_id} job {j} fingerprint "
-          f"{summary['params_fingerprint']}", flush=True)
+    print(
+      f"process {process_id} job {j} fingerprint "
+      f"{summary['params_fingerprint']}",
+      flush=True,
+    )
 
 
 def free_port() -> int:
   import socket  # pylint: disable=g-import-not-at-top
+
   with socket.socket() as s:
     s.bind(("localhost", 0))
     return s.getsockname()[1]
 
 
-def run_distributed(spec: dict, path: str, *, num_processes: int,
-                    local_devices: int, timeout: float = 300) -> list[str]:
+def run_distributed(
+  spec: dict,
+  path: str,
+  *,
+  num_processes: int,
+  local_devices: int,
+  timeout: float = 300,
+) -> list[str]:
   """Runs `distributed_main` in ``num_processes`` processes; their outputs."""
-  spec = dict(spec, num_processes=num_processes,
-              coordinator_address=f"localhost:{free_port()}")
+  spec = dict(
+    spec,
+    num_processes=num_processes,
+    coordinator_address=f"localhost:{free_port()}",
+  )
   with open(path, "w") as f:
     json.dump(spec, f)
   env = dict(
-      os.environ, JAX_PLATFORMS="cpu",
-      XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices} "
-      + FAST_COMPILE)
-  procs = [subprocess.Popen(
-      [sys.executable, __file__, "--distributed", path, str(i)], cwd=ROOT,
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(num_processes)]
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices} "
+    + FAST_COMPILE,
+  )
+  procs = [
+    subprocess.Popen(
+      [sys.executable, __file__, "--distributed", path, str(i)],
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(num_processes)
+  ]
   outputs = []
   try:
     deadline = time.time() + timeout

@@ -23,16 +23,21 @@ DEFAULT_FLAGS = os.environ.get("JAXMP_DEFAULT_XLA_FLAGS") == "1"
 
 # Must happen before jax is imported anywhere in the test process.
 os.environ.setdefault(
-    "XLA_FLAGS", "--xla_force_host_platform_device_count=4" +
-    ("" if DEFAULT_FLAGS else " " + FAST_COMPILE))
+  "XLA_FLAGS",
+  "--xla_force_host_platform_device_count=4"
+  + ("" if DEFAULT_FLAGS else " " + FAST_COMPILE),
+)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Identical programs (the same tiny ResNet in several end-to-end tests) are
 # compiled once per test session.
 os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(tempfile.gettempdir(), "jaxmp-test-jit-cache" +
-                 ("-default" if DEFAULT_FLAGS else "")))
+  "JAX_COMPILATION_CACHE_DIR",
+  os.path.join(
+    tempfile.gettempdir(),
+    "jaxmp-test-jit-cache" + ("-default" if DEFAULT_FLAGS else ""),
+  ),
+)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

@@ -11,8 +11,10 @@ import jaxmp
 
 def test_scale_loss_of_a_float16_loss_is_fp32_under_a_growing_scale():
   opt = jaxmp.mixed_precision(
-      optax.sgd(0.0), loss_scale=jmp.DynamicLossScale(
-          np.float32(2.0**15), period=1), max_loss_scale=2.0**20)
+    optax.sgd(0.0),
+    loss_scale=jmp.DynamicLossScale(np.float32(2.0**15), period=1),
+    max_loss_scale=2.0**20,
+  )
   params = {"w": jnp.ones(2, jnp.float16)}
   state = opt.init(params)
   loss16 = jnp.asarray(3.0, jnp.float16)

@@ -9,20 +9,42 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-APP_ONLY = ("tensorflow", "tensorflow_datasets", "orbax", "ml_collections",
-            "absl", "tqdm", "tensorboardX", "matplotlib", "etils")
+APP_ONLY = (
+  "tensorflow",
+  "tensorflow_datasets",
+  "orbax",
+  "ml_collections",
+  "absl",
+  "tqdm",
+  "tensorboardX",
+  "matplotlib",
+  "etils",
+)
 
 PUBLIC = {
-    "jaxmp": (
-        "adjust_loss_scale", "all_finite", "check_health", "find_state",
-        "get_policy", "get_preset", "loss_scale", "LossScale",
-        "LossScaleCollapseError", "LossScaleConfig", "master_params",
-        "mixed_precision", "multi_steps", "MixedPrecisionState", "Preset",
-        "PRESETS", "rollback_if_skipped", "scale_loss", "stats",
-    ),
-    "jaxmp.nn": ("BatchNorm", "conv_general_dilated"),
-    "jaxmp.models": ("get_model", "ResNet", "resnet18",
-                     "resnet18_torchvision"),
+  "jaxmp": (
+    "adjust_loss_scale",
+    "all_finite",
+    "check_health",
+    "find_state",
+    "get_policy",
+    "get_preset",
+    "loss_scale",
+    "LossScale",
+    "LossScaleCollapseError",
+    "LossScaleConfig",
+    "master_params",
+    "mixed_precision",
+    "multi_steps",
+    "MixedPrecisionState",
+    "Preset",
+    "PRESETS",
+    "rollback_if_skipped",
+    "scale_loss",
+    "stats",
+  ),
+  "jaxmp.nn": ("BatchNorm", "conv_general_dilated"),
+  "jaxmp.models": ("get_model", "ResNet", "resnet18", "resnet18_torchvision"),
 }
 
 
@@ -42,23 +64,29 @@ def test_readme_documents_exactly_the_public_names():
   for module, names in PUBLIC.items():
     for name in names:
       assert f"{module}.{name}" in text, f"README lacks {module}.{name}"
-  mentioned = set(re.findall(r"\bjaxmp\.(?:nn\.|models\.)?[A-Za-z_]\w*",
-                             text))
+  mentioned = set(re.findall(r"\bjaxmp\.(?:nn\.|models\.)?[A-Za-z_]\w*", text))
   public = {f"{m}.{n}" for m, names in PUBLIC.items() for n in names}
   public |= set(PUBLIC) | {"jaxmp.__version__"}
   assert mentioned <= public, sorted(mentioned - public)
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-c", code], capture_output=True,
-                        text=True, timeout=120, cwd=ROOT,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  return subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
 
 
 def test_import_jaxmp_is_light():
-  out = _run("import sys, jaxmp; print(sorted({m.split('.')[0] for m in "
-             "sys.modules} & {'flax', 'tensorflow', 'orbax', "
-             "'tensorflow_datasets', 'ml_collections', 'torch'}))")
+  out = _run(
+    "import sys, jaxmp; print(sorted({m.split('.')[0] for m in "
+    "sys.modules} & {'flax', 'tensorflow', 'orbax', "
+    "'tensorflow_datasets', 'ml_collections', 'torch'}))"
+  )
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == "[]"
 
@@ -82,8 +110,9 @@ def test_building_blocks_without_flax_fail_with_one_message(module):
   assert out.stdout.strip() == "mixed_precision"
   assert out.returncode == 1
   last = out.stderr.strip().splitlines()[-1]
-  assert last == (f"ImportError: jaxmp.{module} needs flax: "
-                  "pip install 'jaxmp[flax]'"), out.stderr
+  assert last == (
+    f"ImportError: jaxmp.{module} needs flax: pip install 'jaxmp[flax]'"
+  ), out.stderr
   # One error: the ImportError of flax itself is not chained onto it.
   assert "During handling" not in out.stderr
   assert "direct cause" not in out.stderr
@@ -105,8 +134,12 @@ def _python_files(*parts):
   top = os.path.join(ROOT, *parts)
   if top.endswith(".py"):
     return [top]
-  return [os.path.join(d, f) for d, _, files in os.walk(top) for f in files
-          if f.endswith(".py")]
+  return [
+    os.path.join(d, f)
+    for d, _, files in os.walk(top)
+    for f in files
+    if f.endswith(".py")
+  ]
 
 
 def test_the_library_never_imports_the_apps_dependencies():
@@ -115,8 +148,9 @@ def test_the_library_never_imports_the_apps_dependencies():
     assert not bad, (path, bad)
 
 
-@pytest.mark.parametrize("part", ["bench", "configs", "train.py",
-                                  "cifar_train", "examples"])
+@pytest.mark.parametrize(
+  "part", ["bench", "configs", "train.py", "cifar_train", "examples"]
+)
 def test_app_bench_and_configs_use_public_names_only(part):
   for path in _python_files(part):
     private = {m for m in _imports(path) if "_src" in m}

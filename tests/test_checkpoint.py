@@ -35,12 +35,12 @@ from cifar_train.errors import CheckpointError
 
 STEPS = 6
 CHAIN = [  # (fault, at checkpoint, expected exit code, resumed from)
-    ("kill_before_save", 2, -9, None),
-    ("kill_during_write", 3, -9, 1),
-    ("kill_after_write", 4, -9, 2),
-    ("enospc", 5, 2, 3),
-    ("kill_during_cleanup", 3, -9, 4),
-    ("missing_file", 5, 0, 4),
+  ("kill_before_save", 2, -9, None),
+  ("kill_during_write", 3, -9, 1),
+  ("kill_after_write", 4, -9, 2),
+  ("enospc", 5, 2, 3),
+  ("kill_during_cleanup", 3, -9, 4),
+  ("missing_file", 5, 0, 4),
 ]
 
 
@@ -55,21 +55,42 @@ def _resumed_from(log: str):
 
 
 def test_killed_and_failed_saves_resume_exactly(data_dir, tmp_path):
-  config = {"checkpoint_every_steps": 1, "keep_checkpoints": 2,
-            "num_train_steps": STEPS}
+  config = {
+    "checkpoint_every_steps": 1,
+    "keep_checkpoints": 2,
+    "num_train_steps": STEPS,
+  }
   ref = str(tmp_path / "ref")
   run = str(tmp_path / "run")
-  jobs = [{"workdir": ref, "config": dict(config, checkpoint_every_steps=0),
-           "log": str(tmp_path / "ref.log")}]
+  jobs = [
+    {
+      "workdir": ref,
+      "config": dict(config, checkpoint_every_steps=0),
+      "log": str(tmp_path / "ref.log"),
+    }
+  ]
   for i, (fault, step, _, _) in enumerate(CHAIN, start=1):
-    job = {"workdir": run, "config": config, "fault": fault, "step": step,
-           "cli": fault == "enospc", "log": str(tmp_path / f"{i}-{fault}.log")}
+    job = {
+      "workdir": run,
+      "config": config,
+      "fault": fault,
+      "step": step,
+      "cli": fault == "enospc",
+      "log": str(tmp_path / f"{i}-{fault}.log"),
+    }
     if fault == "missing_file":
-      job.update(fault="", remove=[os.path.join(
-          run, "checkpoints", str(step), "state", "ocdbt.process_0", "d", "*")])
+      job.update(
+        fault="",
+        remove=[
+          os.path.join(
+            run, "checkpoints", str(step), "state", "ocdbt.process_0", "d", "*"
+          )
+        ],
+      )
     jobs.append(job)
-  results = run_driver({"data_dir": data_dir, "jobs": jobs},
-                       str(tmp_path / "spec.json"))
+  results = run_driver(
+    {"data_dir": data_dir, "jobs": jobs}, str(tmp_path / "spec.json")
+  )
   logs = [read_log(job) for job in jobs]
   fingerprint = lambda log: re.findall(r"^fingerprint (\w+)$", log, re.M)
 
@@ -88,8 +109,11 @@ def test_killed_and_failed_saves_resume_exactly(data_dir, tmp_path):
       for name in results[i - 1]["checkpoints"]:
         if TMP_MARK in name:
           assert name not in listing, what
-    complete = sorted(int(n) for n in listing if n.isdigit() and
-                      "commit_success.txt" in listing[n])
+    complete = sorted(
+      int(n)
+      for n in listing
+      if n.isdigit() and "commit_success.txt" in listing[n]
+    )
     if fault == "kill_before_save":
       assert listing == {"1": listing["1"]}, what  # Nothing of 2 exists.
     elif fault == "kill_during_write":
@@ -104,24 +128,30 @@ def test_killed_and_failed_saves_resume_exactly(data_dir, tmp_path):
     elif fault == "enospc":
       errors = [line for line in log.splitlines() if line.startswith("error")]
       assert errors == [
-          f"error: saving a checkpoint failed: [Errno {errno.ENOSPC}] "
-          f"{os.strerror(errno.ENOSPC)}: "
-          f"'{run}/checkpoints/5{TMP_MARK}/state{TMP_MARK}/_METADATA'; the "
-          f"newest complete checkpoint is {run}/checkpoints/4"], what
+        f"error: saving a checkpoint failed: [Errno {errno.ENOSPC}] "
+        f"{os.strerror(errno.ENOSPC)}: "
+        f"'{run}/checkpoints/5{TMP_MARK}/state{TMP_MARK}/_METADATA'; the "
+        f"newest complete checkpoint is {run}/checkpoints/4"
+      ], what
       assert complete == [3, 4], what  # The failed save deleted nothing.
     elif fault == "kill_during_cleanup":
       assert f"killing while deleting {run}/checkpoints/3" in log, what
       assert complete == [3, 4, 5] and "state" not in listing["3"], what
     else:  # A data file of 5 went missing: one warning line names the
       # checkpoint and the array; 5 is set aside and made again.
-      (warning,) = [line for line in log.splitlines()
-                    if line.startswith("WARNING: checkpoint")]
+      (warning,) = [
+        line
+        for line in log.splitlines()
+        if line.startswith("WARNING: checkpoint")
+      ]
       assert re.fullmatch(
-          rf"WARNING: checkpoint {run}/checkpoints/5 is unusable \(.*"
-          r"leaf_\d{4} = \.\w+.*\); falling back to an older one",
-          warning), what
+        rf"WARNING: checkpoint {run}/checkpoints/5 is unusable \(.*"
+        r"leaf_\d{4} = \.\w+.*\); falling back to an older one",
+        warning,
+      ), what
       assert f"WARNING: moved 1 unusable checkpoint(s) to {run}/unusable_" in (
-          log), what
+        log
+      ), what
       assert os.listdir(os.path.join(run, "unusable_checkpoints")) == ["5"]
       assert fingerprint(log) == [reference], what
       assert complete == [5, 6] and sorted(listing) == ["5", "6"], what
@@ -129,26 +159,28 @@ def test_killed_and_failed_saves_resume_exactly(data_dir, tmp_path):
         assert json.load(f)["params_fingerprint"] == reference
 
 
-
-
 def _template(make_config, data_dir):
   s = settings.resolve(make_config(data_dir))
-  model = steps.create_model(s.model, num_classes=10,
-                             num_filters=s.num_filters, precision=s.precision)
+  model = steps.create_model(
+    s.model, num_classes=10, num_filters=s.num_filters, precision=s.precision
+  )
   # A schedule, as the loop's, so that the optimizer state has its count.
-  optimizer = steps.create_optimizer(s.precision, lambda _: 0.1,
-                                     momentum=0.9, weight_decay=5e-4)
+  optimizer = steps.create_optimizer(
+    s.precision, lambda _: 0.1, momentum=0.9, weight_decay=5e-4
+  )
   return steps.create_train_state(model, optimizer, (32, 32, 3), seed=0)
 
 
-def test_truncated_checkpoint_falls_back(make_config, data_dir, tiny_data,
-                                         tmp_path, capsys):
+def test_truncated_checkpoint_falls_back(
+  make_config, data_dir, tiny_data, tmp_path, capsys
+):
   workdir = str(tmp_path / "run")
   config = make_config(data_dir, num_train_steps=4, keep_checkpoints=3)
   loop.train_and_evaluate(config, workdir, data=tiny_data)
   newest = os.path.join(workdir, "checkpoints", "4")
-  for path in glob.glob(os.path.join(newest, "state", "**", "*"),
-                        recursive=True):
+  for path in glob.glob(
+    os.path.join(newest, "state", "**", "*"), recursive=True
+  ):
     if os.path.isfile(path) and os.path.getsize(path) > 100:
       with open(path, "r+b") as f:
         f.truncate(10)
@@ -166,19 +198,29 @@ def test_truncated_checkpoint_falls_back(make_config, data_dir, tiny_data,
     checkpoint.restore_latest(manager, template)
 
 
-def test_checkpoint_shape_mismatch_names_the_leaf(make_config, data_dir,
-                                                  tiny_data, tmp_path):
+def test_checkpoint_shape_mismatch_names_the_leaf(
+  make_config, data_dir, tiny_data, tmp_path
+):
   workdir = str(tmp_path / "run")
-  loop.train_and_evaluate(make_config(data_dir, num_train_steps=2), workdir,
-                          data=tiny_data)
-  with pytest.raises(CheckpointError, match=r"does not match the config at \.params\['bn1'\]\['bias'\]: stored shape \(4,\), config shape \(8,\)"):
-    loop.train_and_evaluate(make_config(data_dir, num_filters=8), workdir,
-                            data=tiny_data)
+  loop.train_and_evaluate(
+    make_config(data_dir, num_train_steps=2), workdir, data=tiny_data
+  )
+  with pytest.raises(
+    CheckpointError,
+    match=r"does not match the config at \.params\['bn1'\]\['bias'\]: stored shape \(4,\), config shape \(8,\)",
+  ):
+    loop.train_and_evaluate(
+      make_config(data_dir, num_filters=8), workdir, data=tiny_data
+    )
 
 
-@pytest.mark.parametrize("every,expected", [(0, [3, 6]), (2, [2, 4, 6]),
-                                            (4, [4, 6])])
+@pytest.mark.parametrize(
+  "every,expected", [(0, [3, 6]), (2, [2, 4, 6]), (4, [4, 6])]
+)
 def test_should_save(every, expected):
-  saved = [step for step in range(1, 7)
-           if checkpoint.should_save(every, step, 3 if step <= 3 else 6, 6)]
+  saved = [
+    step
+    for step in range(1, 7)
+    if checkpoint.should_save(every, step, 3 if step <= 3 else 6, 6)
+  ]
   assert saved == expected

@@ -13,11 +13,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train_py(*args, timeout=120):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="",
-             TF_CPP_MIN_LOG_LEVEL="3")
-  return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=timeout,
-                        env=env)
+  env = dict(
+    os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", TF_CPP_MIN_LOG_LEVEL="3"
+  )
+  return subprocess.run(
+    [sys.executable, "train.py", *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env=env,
+  )
 
 
 def _one_error_line(out) -> str:
@@ -31,33 +37,53 @@ def _one_error_line(out) -> str:
   return lines[0]
 
 
-@pytest.mark.parametrize("key,near", [("nonexistent", "nesterov"),
-                                      ("polcy", "policy"),
-                                      ("batchsize", "batch_size")])
+@pytest.mark.parametrize(
+  "key,near",
+  [
+    ("nonexistent", "nesterov"),
+    ("polcy", "policy"),
+    ("batchsize", "batch_size"),
+  ],
+)
 def test_unknown_key_names_it_and_the_nearest(key, near, tmp_path):
-  line = _one_error_line(_train_py(
-      "--config", "configs/smoke.py", "--workdir", str(tmp_path),
-      f"--config.{key}=3"))
+  line = _one_error_line(
+    _train_py(
+      "--config",
+      "configs/smoke.py",
+      "--workdir",
+      str(tmp_path),
+      f"--config.{key}=3",
+    )
+  )
   assert f"unknown config key {key!r}" in line and near in line
   assert not os.listdir(tmp_path)
 
 
 def test_missing_and_broken_config_files_name_the_path(tmp_path):
-  line = _one_error_line(_train_py("--config", "configs/nope.py",
-                                   "--workdir", str(tmp_path)))
+  line = _one_error_line(
+    _train_py("--config", "configs/nope.py", "--workdir", str(tmp_path))
+  )
   assert line == "error: config file 'configs/nope.py' not found"
   broken = tmp_path / "broken.py"
   broken.write_text("def get_config(:\n")
-  line = _one_error_line(_train_py("--config", str(broken), "--workdir",
-                                   str(tmp_path / "w")))
+  line = _one_error_line(
+    _train_py("--config", str(broken), "--workdir", str(tmp_path / "w"))
+  )
   assert f"config file {str(broken)!r} could not be loaded: SyntaxError" in (
-      line)
+    line
+  )
 
 
 def test_bad_value_is_one_line(tmp_path):
-  line = _one_error_line(_train_py(
-      "--config", "configs/smoke.py", "--workdir", str(tmp_path / "w"),
-      "--config.policy=O9"))
+  line = _one_error_line(
+    _train_py(
+      "--config",
+      "configs/smoke.py",
+      "--workdir",
+      str(tmp_path / "w"),
+      "--config.policy=O9",
+    )
+  )
   assert line.startswith("error: unknown policy 'O9'")
   assert not (tmp_path / "w" / "checkpoints").exists()
 

@@ -16,53 +16,71 @@ class TapKernelGradTest(parameterized.TestCase):
   """jaxmp's CPU conv kernel gradient equals XLA's, and the rest is lax's."""
 
   @parameterized.named_parameters(
-      # (batch, size, in, out, kernel, stride, padding, dtype)
-      ('3x3_s1', 4, 9, 3, 8, 3, 1, 1, f32),
-      ('3x3_s2', 4, 8, 5, 6, 3, 2, 1, f32),
-      ('1x1_s2_projection', 2, 8, 4, 6, 1, 2, 0, f32),
-      ('7x7_s2_imagenet_stem', 2, 15, 3, 4, 7, 2, 3, f32),
-      ('fp16', 4, 8, 4, 4, 3, 1, 1, f16),
-      ('grouped_products', 64, 8, 2, 2, 3, 1, 1, f32),
+    # (batch, size, in, out, kernel, stride, padding, dtype)
+    ("3x3_s1", 4, 9, 3, 8, 3, 1, 1, f32),
+    ("3x3_s2", 4, 8, 5, 6, 3, 2, 1, f32),
+    ("1x1_s2_projection", 2, 8, 4, 6, 1, 2, 0, f32),
+    ("7x7_s2_imagenet_stem", 2, 15, 3, 4, 7, 2, 3, f32),
+    ("fp16", 4, 8, 4, 4, 3, 1, 1, f16),
+    ("grouped_products", 64, 8, 2, 2, 3, 1, 1, f32),
   )
   def test_gradients_match_lax(self, n, size, cin, cout, k, s, pad, dtype):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((n, size, size, cin)), dtype)
     w = jnp.asarray(rng.standard_normal((k, k, cin, cout)) * 0.1, dtype)
     args = ((s, s), ((pad, pad), (pad, pad)))
-    dn = ('NHWC', 'HWIO', 'NHWC')
+    dn = ("NHWC", "HWIO", "NHWC")
 
     def loss(fn, x, w):
       y = fn(x, w, *args, dimension_numbers=dn).astype(f32)
       return jnp.sum(jnp.sin(y))
 
-    ours = jax.jit(jax.grad(functools.partial(loss, conv.conv_general_dilated),
-                            (0, 1)))(x, w)
-    ref = jax.jit(jax.grad(functools.partial(
-        loss, jax.lax.conv_general_dilated), (0, 1)))(x, w)
+    ours = jax.jit(
+      jax.grad(functools.partial(loss, conv.conv_general_dilated), (0, 1))
+    )(x, w)
+    ref = jax.jit(
+      jax.grad(functools.partial(loss, jax.lax.conv_general_dilated), (0, 1))
+    )(x, w)
     # Each gradient element is a sum of products; both sides may order the
     # sum differently, so bound the difference by a few ulps of the sum of
     # the products' magnitudes (the same gradient of |x|, |w| and |dy|).
     y = jax.lax.conv_general_dilated(x, w, *args, dimension_numbers=dn)
     abs_dy = jnp.abs(jnp.cos(y.astype(f32))).astype(dtype)
     conv_at = lambda a, b: jax.lax.conv_general_dilated(
-        a, b, *args, dimension_numbers=dn)
-    mass = (jax.vjp(lambda a: conv_at(a, jnp.abs(w)), x)[1](abs_dy)[0],
-            jax.vjp(lambda b: conv_at(jnp.abs(x), b), w)[1](abs_dy)[0])
+      a, b, *args, dimension_numbers=dn
+    )
+    mass = (
+      jax.vjp(lambda a: conv_at(a, jnp.abs(w)), x)[1](abs_dy)[0],
+      jax.vjp(lambda b: conv_at(jnp.abs(x), b), w)[1](abs_dy)[0],
+    )
     eps = float(jnp.finfo(dtype).eps)
     for a, b, m in zip(ours, ref, mass):
       self.assertEqual(a.dtype, b.dtype)
       err = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
       bound = 16 * eps * np.asarray(m, np.float64) + 1e-30
-      self.assertTrue(np.all(err <= bound),
-                      f'max err/bound {np.max(err / bound):.3g}')
+      self.assertTrue(
+        np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
+      )
 
   def test_uncovered_convolutions_are_lax(self):
     x = jnp.ones((2, 6, 6, 4))
     w = jnp.ones((3, 3, 2, 4))
     got = conv.conv_general_dilated(
-        x, w, (1, 1), 'SAME', rhs_dilation=(2, 2),
-        dimension_numbers=('NHWC', 'HWIO', 'NHWC'), feature_group_count=2)
+      x,
+      w,
+      (1, 1),
+      "SAME",
+      rhs_dilation=(2, 2),
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      feature_group_count=2,
+    )
     want = jax.lax.conv_general_dilated(
-        x, w, (1, 1), 'SAME', rhs_dilation=(2, 2),
-        dimension_numbers=('NHWC', 'HWIO', 'NHWC'), feature_group_count=2)
+      x,
+      w,
+      (1, 1),
+      "SAME",
+      rhs_dilation=(2, 2),
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      feature_group_count=2,
+    )
     np.testing.assert_array_equal(got, want)

@@ -17,7 +17,8 @@ SYNTHETIC_EXAMPLES = (120, 40)  # (train, test)
 
 def source(name: str, tfds_root: str = ""):
   return data_sources.builder(
-      name, tfds_root, synthetic_examples=SYNTHETIC_EXAMPLES)
+    name, tfds_root, synthetic_examples=SYNTHETIC_EXAMPLES
+  )
 
 
 def test_cifar10_mock_data(monkeypatch):
@@ -25,8 +26,9 @@ def test_cifar10_mock_data(monkeypatch):
   # builder is not prepared and no manual archive exists. Keep the test
   # hermetic (no real probe) by answering the probe here.
   probes = []
-  monkeypatch.setattr(data_sources, "network_available",
-                      lambda *a, **k: probes.append(a) or True)
+  monkeypatch.setattr(
+    data_sources, "network_available", lambda *a, **k: probes.append(a) or True
+  )
   with tfds.testing.mock_data(num_examples=20):
     cifar10 = source("cifar10")
     x, y = data_sources.read_split(cifar10, "train")
@@ -42,9 +44,15 @@ def test_offline_error_is_fast_and_clear(monkeypatch, tmp_path):
     data_sources.read_split(source("cifar10", str(tmp_path)), "train")
   assert time.perf_counter() - start < 5
   message = str(err.value)
-  for part in ("'cifar10'", str(tmp_path), "cifar-10-binary.tar.gz",
-               "download_and_prepare", "data_dir", "smoke.py",
-               os.path.join("downloads", "manual")):
+  for part in (
+    "'cifar10'",
+    str(tmp_path),
+    "cifar-10-binary.tar.gz",
+    "download_and_prepare",
+    "data_dir",
+    "smoke.py",
+    os.path.join("downloads", "manual"),
+  ):
     assert part in message, part
   assert isinstance(err.value, RuntimeError)
 
@@ -76,9 +84,12 @@ def test_image_folder(tmp_path):
   assert x.shape == (6, 8, 8, 3) and x.dtype == np.uint8
   assert sorted(y.tolist()) == [0, 0, 0, 1, 1, 1]
   assert data_sources.read_split(folder, "test")[0].shape == (4, 8, 8, 3)
-  assert data_sources.load(
-      "image_folder", str(tmp_path),
-      synthetic_examples=SYNTHETIC_EXAMPLES).num_classes == 2
+  assert (
+    data_sources.load(
+      "image_folder", str(tmp_path), synthetic_examples=SYNTHETIC_EXAMPLES
+    ).num_classes
+    == 2
+  )
 
 
 def test_image_folder_missing_splits(tmp_path):

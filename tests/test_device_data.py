@@ -25,7 +25,7 @@ def crop_options(image: np.ndarray) -> list[np.ndarray]:
   out = []
   for dy in range(9):
     for dx in range(9):
-      crop = padded[dy:dy + h, dx:dx + w]
+      crop = padded[dy : dy + h, dx : dx + w]
       out += [crop, crop[:, ::-1]]
   return out
 
@@ -51,10 +51,12 @@ def test_device_augment():
 
 def test_normalize_matches_host_pipeline():
   images, labels = random_data(n=16)
-  host = next(host_stream.eval_batches(
-      images, labels, batch_size=16, mean=MEAN, std=STD))
+  host = next(
+    host_stream.eval_batches(images, labels, batch_size=16, mean=MEAN, std=STD)
+  )
   dev = jax.jit(device_data.normalize, static_argnums=(1, 2, 3))(
-      jnp.asarray(images), MEAN, STD, jnp.float32)
+    jnp.asarray(images), MEAN, STD, jnp.float32
+  )
   np.testing.assert_allclose(dev, host["image"], rtol=1e-6, atol=1e-6)
   half = device_data.normalize(jnp.asarray(images), MEAN, STD, jnp.float16)
   assert half.dtype == jnp.float16

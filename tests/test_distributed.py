@@ -22,8 +22,9 @@ from _helpers import read_jsonl, run_distributed
 # Two cold compiles on a 2-core machine take minutes, beyond the suite's
 # budget: run with JAXMP_DISTRIBUTED_TESTS=1 (documented in the README).
 pytestmark = pytest.mark.skipif(
-    os.environ.get("JAXMP_DISTRIBUTED_TESTS") != "1",
-    reason="multi-process test; set JAXMP_DISTRIBUTED_TESTS=1 to run it")
+  os.environ.get("JAXMP_DISTRIBUTED_TESTS") != "1",
+  reason="multi-process test; set JAXMP_DISTRIBUTED_TESTS=1 to run it",
+)
 from cifar_train import loop
 
 
@@ -35,14 +36,25 @@ def test_two_processes_agree_with_one(make_config, data_dir, tmp_path):
 
   two_dir = str(tmp_path / "two")
   outputs = run_distributed(
-      {"data_dir": data_dir, "workdir": two_dir,
-       "jobs": [{"num_train_steps": 4}, {"num_train_steps": 6}]},
-      str(tmp_path / "spec.json"), num_processes=2, local_devices=2, timeout=240)
+    {
+      "data_dir": data_dir,
+      "workdir": two_dir,
+      "jobs": [{"num_train_steps": 4}, {"num_train_steps": 6}],
+    },
+    str(tmp_path / "spec.json"),
+    num_processes=2,
+    local_devices=2,
+    timeout=240,
+  )
   for i, out in enumerate(outputs):
     resumed = re.findall(r"Resuming from (\S+) at step (\d+)", out)
     assert resumed == [(os.path.join(two_dir, "checkpoints", "4"), "4")], out
-  prints = {(int(p), int(j)): f for p, j, f in re.findall(
-      r"^process (\d) job (\d) fingerprint (\w+)$", "\n".join(outputs), re.M)}
+  prints = {
+    (int(p), int(j)): f
+    for p, j, f in re.findall(
+      r"^process (\d) job (\d) fingerprint (\w+)$", "\n".join(outputs), re.M
+    )
+  }
   assert len(prints) == 4, outputs
   # Both processes hold the same replicated params.
   assert prints[0, 1] == prints[1, 1] and prints[0, 0] == prints[1, 0]
@@ -54,10 +66,14 @@ def test_two_processes_agree_with_one(make_config, data_dir, tmp_path):
   # Only process 0 writes: each step and epoch is logged once.
   steps = read_jsonl(os.path.join(two_dir, "steps.jsonl"))
   assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
-  assert [r["step"] for r in read_jsonl(
-      os.path.join(two_dir, "metrics.jsonl"))] == [4, 6]
+  assert [
+    r["step"] for r in read_jsonl(os.path.join(two_dir, "metrics.jsonl"))
+  ] == [4, 6]
   assert sorted(os.listdir(os.path.join(two_dir, "checkpoints"))) == [
-      "2", "4", "6"]
+    "2",
+    "4",
+    "6",
+  ]
 
   # Same global batch, data order and init: step 1 (before any update) has
   # the same loss. Later steps drift apart: fp16 (O2) training amplifies the
@@ -69,6 +85,7 @@ def test_two_processes_agree_with_one(make_config, data_dir, tmp_path):
   assert steps[0]["loss"] == pytest.approx(ref_steps[0]["loss"], rel=1e-3)
   mean = lambda rs: sum(r["loss"] for r in rs) / len(rs)
   assert mean(steps) == pytest.approx(mean(ref_steps), rel=0.02)
-  assert [r["loss_scale"] for r in steps] == [r["loss_scale"] for r in
-                                              ref_steps]
+  assert [r["loss_scale"] for r in steps] == [
+    r["loss_scale"] for r in ref_steps
+  ]
   assert two["test_loss"] == pytest.approx(one["test_loss"], rel=0.02)

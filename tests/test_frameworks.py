@@ -19,14 +19,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _dynamic(scale=2.0**4, period=2):
-  return jmp.DynamicLossScale(np.float32(scale), period=period,
-                              min_loss_scale=np.float32(1.0))
+  return jmp.DynamicLossScale(
+    np.float32(scale), period=period, min_loss_scale=np.float32(1.0)
+  )
 
 
 def _bits(tree):
   """Each leaf's raw bits, so that comparisons are exact (-0.0, NaN too)."""
-  return [np.asarray(x).view(f"u{np.asarray(x).dtype.itemsize}")
-          for x in jax.tree.leaves(tree)]
+  return [
+    np.asarray(x).view(f"u{np.asarray(x).dtype.itemsize}")
+    for x in jax.tree.leaves(tree)
+  ]
 
 
 def _assert_same_bits(a, b):
@@ -56,7 +59,6 @@ def _stats(opt_state):
 
 
 class _NnxMLP(nnx.Module):
-
   def __init__(self, rngs):
     self.l1 = nnx.Linear(3, 4, param_dtype=F16, rngs=rngs)
     self.l2 = nnx.Linear(4, 2, param_dtype=F16, rngs=rngs)
@@ -72,15 +74,18 @@ def _nnx_loss(model, x, y):
 @nnx.jit
 def _nnx_step(model, opt, x, y):
   grads = nnx.grad(
-      lambda m: jaxmp.scale_loss(_nnx_loss(m, x, y), opt.opt_state))(model)
+    lambda m: jaxmp.scale_loss(_nnx_loss(m, x, y), opt.opt_state)
+  )(model)
   opt.update(model, grads)
 
 
 def _nnx_setup(lr=0.1):
   model = _NnxMLP(nnx.Rngs(0))
   opt = nnx.Optimizer(
-      model, jaxmp.mixed_precision(optax.sgd(lr), loss_scale=_dynamic()),
-      wrt=nnx.Param)
+    model,
+    jaxmp.mixed_precision(optax.sgd(lr), loss_scale=_dynamic()),
+    wrt=nnx.Param,
+  )
   return model, opt
 
 
@@ -101,17 +106,18 @@ def test_nnx_optimizer_scales_and_steps_in_fp32():
   # The unscaled fp16 gradient: a power-of-two scale commutes with rounding.
   grads = nnx.as_pure(nnx.grad(lambda m: _nnx_loss(m, x, y))(model))
   _nnx_step(model, opt, x, y)
-  expected = jax.tree.map(lambda m, g: m - 0.1 * g.astype(F32), masters0,
-                          grads)
-  for got, want in zip(jax.tree.leaves(_nnx_masters(opt)),
-                       jax.tree.leaves(expected), strict=True):
+  expected = jax.tree.map(lambda m, g: m - 0.1 * g.astype(F32), masters0, grads)
+  for got, want in zip(
+    jax.tree.leaves(_nnx_masters(opt)), jax.tree.leaves(expected), strict=True
+  ):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
   assert _stats(opt.opt_state)["loss_scale"] == 16.0
   _nnx_step(model, opt, x, y)  # The second finite step of period 2: growth.
   stats = _stats(opt.opt_state)
   assert stats["loss_scale"] == 32.0 and stats["skipped_steps"] == 0
   assert {p.dtype for p in jax.tree.leaves(_nnx_params(model))} == {
-      jnp.dtype(F16)}
+    jnp.dtype(F16)
+  }
 
 
 @pytest.mark.invariant
@@ -136,8 +142,9 @@ def test_nnx_overflow_skips_and_halves_scale():
   assert not stats["grads_finite"]
   _nnx_step(model, opt, *_data())  # Training goes on after the skip.
   assert _stats(opt.opt_state)["grads_finite"]
-  assert any((a != b).any() for a, b in zip(_bits(_nnx_params(model)),
-                                            _bits(params)))
+  assert any(
+    (a != b).any() for a, b in zip(_bits(_nnx_params(model)), _bits(params))
+  )
 
 
 # Equinox: the optimizer sees eqx.filter(model, eqx.is_inexact_array).
@@ -157,7 +164,8 @@ class _EqxMLP(eqx.Module):
 
 def _to_half(model):
   return jax.tree.map(
-      lambda x: x.astype(F16) if eqx.is_inexact_array(x) else x, model)
+    lambda x: x.astype(F16) if eqx.is_inexact_array(x) else x, model
+  )
 
 
 def _eqx_setup(lr=0.1, model=None):
@@ -190,20 +198,24 @@ def test_equinox_scales_and_steps_in_fp32():
   x, y = _data()
   masters0 = jaxmp.master_params(state)
   assert {p.dtype for p in jax.tree.leaves(_eqx_params(model))} == {
-      jnp.dtype(F16)}
+    jnp.dtype(F16)
+  }
   assert {m.dtype for m in jax.tree.leaves(masters0)} == {jnp.dtype(F32)}
   grads = eqx.filter_grad(_eqx_loss)(model, x, y)
   model, state = _eqx_step(model, state, opt, x, y)
-  expected = jax.tree.map(lambda m, g: m - 0.1 * g.astype(F32), masters0,
-                          grads)
-  for got, want in zip(jax.tree.leaves(jaxmp.master_params(state)),
-                       jax.tree.leaves(expected), strict=True):
+  expected = jax.tree.map(lambda m, g: m - 0.1 * g.astype(F32), masters0, grads)
+  for got, want in zip(
+    jax.tree.leaves(jaxmp.master_params(state)),
+    jax.tree.leaves(expected),
+    strict=True,
+  ):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
   model, state = _eqx_step(model, state, opt, x, y)
   stats = _stats(state)
   assert stats["loss_scale"] == 32.0 and stats["skipped_steps"] == 0
   assert {p.dtype for p in jax.tree.leaves(_eqx_params(model))} == {
-      jnp.dtype(F16)}
+    jnp.dtype(F16)
+  }
 
 
 @pytest.mark.invariant
@@ -243,8 +255,10 @@ def test_equinox_mlp_with_function_fields():
 
 @pytest.mark.invariant
 def test_bare_dict_of_arrays():
-  params = {"w": jnp.linspace(-1, 1, 6, dtype=F32).reshape(3, 2).astype(F16),
-            "b": jnp.zeros(2, F32)}
+  params = {
+    "w": jnp.linspace(-1, 1, 6, dtype=F32).reshape(3, 2).astype(F16),
+    "b": jnp.zeros(2, F32),
+  }
   opt = jaxmp.mixed_precision(optax.adam(0.01), loss_scale=_dynamic())
   state = opt.init(params)
   x, y = _data()
@@ -254,6 +268,7 @@ def test_bare_dict_of_arrays():
     def loss(p):
       out = (x @ p["w"]).astype(F32) + p["b"]
       return jaxmp.scale_loss(jnp.mean((out - y) ** 2), state)
+
     updates, state = opt.update(jax.grad(loss)(params), state, params)
     return optax.apply_updates(params, updates), state
 
@@ -292,6 +307,7 @@ def test_two_models_skip_and_back_off_independently():
     def loss(p, s, poison):
       value = jnp.mean((_apply(p, x) - y) ** 2)
       return jaxmp.scale_loss(value * jnp.where(poison, jnp.inf, 1.0), s)
+
     ua, sa = opt.update(jax.grad(loss)(a, sa, poison_a), sa, a)
     ub, sb = opt.update(jax.grad(loss)(b, sb, False), sb, b)
     return optax.apply_updates(a, ua), sa, optax.apply_updates(b, ub), sb
@@ -307,10 +323,8 @@ def test_two_models_skip_and_back_off_independently():
 
 @pytest.mark.invariant
 def test_gan_alternating_steps_under_jit():
-  g_opt = jaxmp.mixed_precision(optax.adam(0.01), loss_scale=_dynamic(
-      period=2))
-  d_opt = jaxmp.mixed_precision(optax.sgd(0.1), loss_scale=_dynamic(
-      period=3))
+  g_opt = jaxmp.mixed_precision(optax.adam(0.01), loss_scale=_dynamic(period=2))
+  d_opt = jaxmp.mixed_precision(optax.sgd(0.1), loss_scale=_dynamic(period=3))
   g, d = _linear(3, 2, 3), _linear(4, 3, 1)
   gs, ds = g_opt.init(g), d_opt.init(d)
   z, real = _data()[0][:, :2], _data()[0]
@@ -319,15 +333,18 @@ def test_gan_alternating_steps_under_jit():
   def step(g, gs, d, ds, poison_g):
     def d_loss(d):
       fake = jax.lax.stop_gradient(_apply(g, z))
-      value = (jnp.mean(jax.nn.softplus(-_apply(d, real))) +
-               jnp.mean(jax.nn.softplus(_apply(d, fake))))
+      value = jnp.mean(jax.nn.softplus(-_apply(d, real))) + jnp.mean(
+        jax.nn.softplus(_apply(d, fake))
+      )
       return jaxmp.scale_loss(value, ds)
+
     updates, ds = d_opt.update(jax.grad(d_loss)(d), ds, d)
     d = optax.apply_updates(d, updates)
 
     def g_loss(g):
       value = jnp.mean(jax.nn.softplus(-_apply(d, _apply(g, z))))
       return jaxmp.scale_loss(value * jnp.where(poison_g, jnp.inf, 1.0), gs)
+
     updates, gs = g_opt.update(jax.grad(g_loss)(g), gs, g)
     return optax.apply_updates(g, updates), gs, d, ds
 
@@ -350,11 +367,14 @@ def test_gan_alternating_steps_under_jit():
 # would spend seconds importing jax and flax again).
 
 
-@pytest.mark.parametrize("script, expected", [
+@pytest.mark.parametrize(
+  "script, expected",
+  [
     ("nnx_mixed_precision.py", ["params float16", "loss scale: "]),
     ("equinox_mixed_precision.py", ["params float16", "loss scale: "]),
     ("two_models.py", ["G skipped 1, scale 16384", "D skipped 0, scale 32768"]),
-])
+  ],
+)
 def test_example_runs(script, expected, capsys):
   runpy.run_path(os.path.join(ROOT, "examples", script), run_name="__main__")
   out = capsys.readouterr().out

@@ -20,24 +20,35 @@ f16, f32 = jnp.float16, jnp.float32
 def _reference_norm_act(x, scale, bias, residual, relu):
   """nn.BatchNorm (train) + add + relu, with the same variables."""
   y, updates = nn.BatchNorm(use_running_average=False, momentum=0.9).apply(
-      {'params': {'scale': scale, 'bias': bias},
-       'batch_stats': {'mean': jnp.zeros_like(scale),
-                       'var': jnp.ones_like(scale)}},
-      x, mutable=['batch_stats'],
+    {
+      "params": {"scale": scale, "bias": bias},
+      "batch_stats": {
+        "mean": jnp.zeros_like(scale),
+        "var": jnp.ones_like(scale),
+      },
+    },
+    x,
+    mutable=["batch_stats"],
   )
   if residual is not None:
     y = y + residual
-  return (nn.relu(y) if relu else y), updates['batch_stats']
+  return (nn.relu(y) if relu else y), updates["batch_stats"]
 
 
 def _fused_norm_act(x, scale, bias, residual, relu, axis_name=None):
   return fused_norm.FusedBatchNorm(
-      use_running_average=False, relu=relu, axis_name=axis_name
+    use_running_average=False, relu=relu, axis_name=axis_name
   ).apply(
-      {'params': {'scale': scale, 'bias': bias},
-       'batch_stats': {'mean': jnp.zeros_like(scale),
-                       'var': jnp.ones_like(scale)}},
-      x, residual=residual, mutable=['batch_stats'],
+    {
+      "params": {"scale": scale, "bias": bias},
+      "batch_stats": {
+        "mean": jnp.zeros_like(scale),
+        "var": jnp.ones_like(scale),
+      },
+    },
+    x,
+    residual=residual,
+    mutable=["batch_stats"],
   )[0]
 
 
@@ -51,7 +62,6 @@ def _norm_inputs(dtype=f32, shape=(4, 3, 3, 5)):
 
 
 class FusedNormTest(parameterized.TestCase):
-
   @parameterized.product(relu=(True, False), with_residual=(True, False))
   def test_check_grads_float64(self, relu, with_residual):
     with jax.enable_x64(True):
@@ -61,12 +71,12 @@ class FusedNormTest(parameterized.TestCase):
 
       def f(x, scale, bias, residual):
         y, _, _ = fused_norm.fused_batch_norm(
-            x, scale, bias, residual, relu=relu
+          x, scale, bias, residual, relu=relu
         )
         return y
 
       jax.test_util.check_grads(
-          f, (x, scale, bias, residual), order=1, modes=['rev'], eps=1e-6
+        f, (x, scale, bias, residual), order=1, modes=["rev"], eps=1e-6
       )
 
   @parameterized.product(relu=(True, False), with_residual=(True, False))
@@ -83,17 +93,18 @@ class FusedNormTest(parameterized.TestCase):
       return jnp.sum(y * ct)
 
     np.testing.assert_allclose(
-        _fused_norm_act(x, scale, bias, residual, relu),
-        _reference_norm_act(x, scale, bias, residual, relu)[0],
-        rtol=1e-5, atol=1e-5,
+      _fused_norm_act(x, scale, bias, residual, relu),
+      _reference_norm_act(x, scale, bias, residual, relu)[0],
+      rtol=1e-5,
+      atol=1e-5,
     )
     argnums = (0, 1, 2, 3) if with_residual else (0, 1, 2)
-    g_fused = jax.grad(
-        functools.partial(loss, _fused_norm_act), argnums
-    )(x, scale, bias, residual)
-    g_ref = jax.grad(
-        functools.partial(loss, _reference_norm_act), argnums
-    )(x, scale, bias, residual)
+    g_fused = jax.grad(functools.partial(loss, _fused_norm_act), argnums)(
+      x, scale, bias, residual
+    )
+    g_ref = jax.grad(functools.partial(loss, _reference_norm_act), argnums)(
+      x, scale, bias, residual
+    )
     for a, b in zip(g_fused, g_ref):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -101,12 +112,12 @@ class FusedNormTest(parameterized.TestCase):
     x, scale, bias, residual = _norm_inputs(f16)
     scale, bias = scale.astype(f32), bias.astype(f32)
     y, mean, var = fused_norm.fused_batch_norm(
-        x, scale, bias, residual, relu=True
+      x, scale, bias, residual, relu=True
     )
     self.assertEqual((y.dtype, mean.dtype, var.dtype), (f16, f32, f32))
     grads = jax.grad(
-        lambda *a: jnp.sum(fused_norm.fused_batch_norm(*a, relu=True)[0]),
-        argnums=(0, 1, 2, 3),
+      lambda *a: jnp.sum(fused_norm.fused_batch_norm(*a, relu=True)[0]),
+      argnums=(0, 1, 2, 3),
     )(x, scale, bias, residual)
     self.assertEqual([g.dtype for g in grads], [f16, f32, f32, f16])
 
@@ -127,18 +138,21 @@ class FusedNormTest(parameterized.TestCase):
   def test_running_average_update(self):
     x, scale, bias, _ = _norm_inputs()
     stats = fused_norm.FusedBatchNorm(
-        use_running_average=False, momentum=0.8
+      use_running_average=False, momentum=0.8
     ).apply(
-        {'params': {'scale': scale, 'bias': bias},
-         'batch_stats': {'mean': jnp.full(5, 1.0), 'var': jnp.full(5, 2.0)}},
-        x, mutable=['batch_stats'],
-    )[1]['batch_stats']
+      {
+        "params": {"scale": scale, "bias": bias},
+        "batch_stats": {"mean": jnp.full(5, 1.0), "var": jnp.full(5, 2.0)},
+      },
+      x,
+      mutable=["batch_stats"],
+    )[1]["batch_stats"]
     xs = np.asarray(x).reshape(-1, 5)
     np.testing.assert_allclose(
-        stats['mean'], 0.8 * 1.0 + 0.2 * xs.mean(0), rtol=1e-5
+      stats["mean"], 0.8 * 1.0 + 0.2 * xs.mean(0), rtol=1e-5
     )
     np.testing.assert_allclose(  # Biased variance, like nn.BatchNorm.
-        stats['var'], 0.8 * 2.0 + 0.2 * xs.var(0), rtol=1e-5
+      stats["var"], 0.8 * 2.0 + 0.2 * xs.var(0), rtol=1e-5
     )
 
   def test_axis_name_under_vmap(self):
@@ -153,36 +167,40 @@ class FusedNormTest(parameterized.TestCase):
       return _fused_norm_act(x, scale, bias, r, True, axis_name=axis_name)
 
     def plain(x, r, axis_name):
-      y, _ = nn.BatchNorm(
-          use_running_average=False, axis_name=axis_name
-      ).apply(
-          {'params': {'scale': scale, 'bias': bias},
-           'batch_stats': {'mean': jnp.zeros(5), 'var': jnp.ones(5)}},
-          x, mutable=['batch_stats'],
+      y, _ = nn.BatchNorm(use_running_average=False, axis_name=axis_name).apply(
+        {
+          "params": {"scale": scale, "bias": bias},
+          "batch_stats": {"mean": jnp.zeros(5), "var": jnp.ones(5)},
+        },
+        x,
+        mutable=["batch_stats"],
       )
       return nn.relu(y + r)
 
     def local_loss(fn, x, r, c):
-      return jnp.sum(fn(x, r, 'd') * c)
+      return jnp.sum(fn(x, r, "d") * c)
 
     def whole_batch_loss(x, r):
       y = fused(x.reshape(8, 3, 3, 5), r.reshape(8, 3, 3, 5), None)
       return jnp.sum(y.reshape(x.shape) * ct)
 
-    mapped = jax.vmap(functools.partial(fused, axis_name='d'), axis_name='d')
+    mapped = jax.vmap(functools.partial(fused, axis_name="d"), axis_name="d")
     whole = fused(x.reshape(8, 3, 3, 5), residual.reshape(8, 3, 3, 5), None)
     np.testing.assert_allclose(
-        mapped(x, residual), whole.reshape(x.shape), rtol=1e-5, atol=1e-6
+      mapped(x, residual), whole.reshape(x.shape), rtol=1e-5, atol=1e-6
     )
     expected = jax.jit(jax.grad(whole_batch_loss, (0, 1)))(x, residual)
     for fn in (fused, plain):
-      grads = jax.jit(jax.vmap(
-          jax.grad(functools.partial(local_loss, fn), (0, 1)), axis_name='d'
-      ))(x, residual, ct)
+      grads = jax.jit(
+        jax.vmap(
+          jax.grad(functools.partial(local_loss, fn), (0, 1)), axis_name="d"
+        )
+      )(x, residual, ct)
       for a, b in zip(grads, expected):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
-if __name__ == '__main__':
+
+if __name__ == "__main__":
   pytest.main([__file__])
 
 
@@ -195,20 +213,26 @@ class DropInTest(parameterized.TestCase):
   """jaxmp.nn.BatchNorm behaves as flax.linen.BatchNorm on the same args."""
 
   @parameterized.named_parameters(
-      ('f32_train', f32, {}, True),
-      ('f32_eval', f32, {}, False),
-      ('f16_train', f16, {}, True),
-      ('f16_eval', f16, {}, False),
-      ('f16_dtype_f16', f16, dict(dtype=f16), True),
-      ('no_scale', f32, dict(use_scale=False), True),
-      ('no_bias_f16', f16, dict(use_bias=False), True),
-      ('no_scale_no_bias_f16', f16, dict(use_scale=False, use_bias=False),
-       True),
-      ('inits_momentum', f32, dict(
-          scale_init=nn.initializers.constant(1.5),
-          bias_init=nn.initializers.constant(-0.25),
-          momentum=0.7, epsilon=1e-3), True),
-      ('axis_last_explicit', f32, dict(axis=3), True),
+    ("f32_train", f32, {}, True),
+    ("f32_eval", f32, {}, False),
+    ("f16_train", f16, {}, True),
+    ("f16_eval", f16, {}, False),
+    ("f16_dtype_f16", f16, dict(dtype=f16), True),
+    ("no_scale", f32, dict(use_scale=False), True),
+    ("no_bias_f16", f16, dict(use_bias=False), True),
+    ("no_scale_no_bias_f16", f16, dict(use_scale=False, use_bias=False), True),
+    (
+      "inits_momentum",
+      f32,
+      dict(
+        scale_init=nn.initializers.constant(1.5),
+        bias_init=nn.initializers.constant(-0.25),
+        momentum=0.7,
+        epsilon=1e-3,
+      ),
+      True,
+    ),
+    ("axis_last_explicit", f32, dict(axis=3), True),
   )
   def test_matches_flax(self, dtype, kwargs, train):
     x, _, _, _ = _norm_inputs(dtype)
@@ -221,35 +245,39 @@ class DropInTest(parameterized.TestCase):
     for a, b in zip(jax.tree.leaves(v_ours), jax.tree.leaves(v_ref)):
       np.testing.assert_array_equal(a, b)
     # Non-trivial running statistics for eval mode.
-    stats = {'mean': jnp.full((5,), 0.3), 'var': jnp.full((5,), 2.0)}
-    variables = {**v_ref, 'batch_stats': stats}
+    stats = {"mean": jnp.full((5,), 0.3), "var": jnp.full((5,), 2.0)}
+    variables = {**v_ref, "batch_stats": stats}
 
     def loss(module, params, x):
       y, upd = module.apply(
-          {'params': params, 'batch_stats': stats}, x,
-          use_running_average=not train, mutable=['batch_stats'])
-      return jnp.sum(jnp.sin(y.astype(f32))), (y, upd['batch_stats'])
+        {"params": params, "batch_stats": stats},
+        x,
+        use_running_average=not train,
+        mutable=["batch_stats"],
+      )
+      return jnp.sum(jnp.sin(y.astype(f32))), (y, upd["batch_stats"])
 
     n = x.size // x.shape[-1]
-    params = variables.get('params', {})
+    params = variables.get("params", {})
     (l1, (y1, s1)), g1 = jax.value_and_grad(
-        functools.partial(loss, ours), (0, 1), has_aux=True)(params, x)
+      functools.partial(loss, ours), (0, 1), has_aux=True
+    )(params, x)
     (l2, (y2, s2)), g2 = jax.value_and_grad(
-        functools.partial(loss, ref), (0, 1), has_aux=True)(params, x)
+      functools.partial(loss, ref), (0, 1), has_aux=True
+    )(params, x)
     self.assertEqual(y1.dtype, y2.dtype)
     # nn.BatchNorm does part of its arithmetic in the input's dtype (ours
     # stays in float32), so for fp16 inputs allow a few fp16 ulps of |y|.
     ymax = max(float(np.max(np.abs(np.asarray(y2, f32)))), 1.0)
-    tol = (4 * float(jnp.finfo(x.dtype).eps) if x.dtype == f16
-           else _tol(f32, n))
-    np.testing.assert_allclose(np.asarray(y1, f32), np.asarray(y2, f32),
-                               rtol=0, atol=tol * ymax)
-    for k in ('mean', 'var'):
+    tol = 4 * float(jnp.finfo(x.dtype).eps) if x.dtype == f16 else _tol(f32, n)
+    np.testing.assert_allclose(
+      np.asarray(y1, f32), np.asarray(y2, f32), rtol=0, atol=tol * ymax
+    )
+    for k in ("mean", "var"):
       self.assertEqual(s1[k].dtype, s2[k].dtype)
       np.testing.assert_allclose(s1[k], s2[k], rtol=_tol(f32, n), atol=0)
     self.assertEqual(shapes(g1), shapes(g2))
-    gtol = (8 * float(jnp.finfo(f16).eps) if x.dtype == f16
-            else 4 * _tol(f32, n))
+    gtol = 8 * float(jnp.finfo(f16).eps) if x.dtype == f16 else 4 * _tol(f32, n)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
       a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
       scale = max(np.max(np.abs(b)), 1.0)
@@ -257,9 +285,12 @@ class DropInTest(parameterized.TestCase):
 
   def test_output_dtype_promotion(self):
     x = jnp.ones((4, 3), f16)
-    for kwargs, want in (({}, f32), (dict(dtype=f16), f16),
-                         (dict(param_dtype=f16), f16),
-                         (dict(use_scale=False, use_bias=False), f16)):
+    for kwargs, want in (
+      ({}, f32),
+      (dict(dtype=f16), f16),
+      (dict(param_dtype=f16), f16),
+      (dict(use_scale=False, use_bias=False), f16),
+    ):
       for module in (fused_norm.FusedBatchNorm, nn.BatchNorm):
         bn = module(use_running_average=True, **kwargs)
         y = bn.apply(bn.init(jax.random.key(0), x), x)
@@ -269,23 +300,26 @@ class DropInTest(parameterized.TestCase):
     x = jnp.ones((4, 3))
     bn = fused_norm.FusedBatchNorm(use_running_average=True)
     v = bn.init(jax.random.key(0), x)
-    with self.assertRaisesRegex(ValueError, 'just once'):
+    with self.assertRaisesRegex(ValueError, "just once"):
       bn.apply(v, x, use_running_average=True)
 
   def test_other_axis_raises(self):
     bn = fused_norm.FusedBatchNorm(use_running_average=True, axis=1)
-    with self.assertRaisesRegex(ValueError, 'last axis only'):
+    with self.assertRaisesRegex(ValueError, "last axis only"):
       bn.init(jax.random.key(0), jnp.ones((4, 3, 2)))
 
   def test_relu_and_residual_call_options(self):
     x, scale, bias, residual = _norm_inputs()
-    variables = {'params': {'scale': scale, 'bias': bias},
-                 'batch_stats': {'mean': jnp.zeros(5), 'var': jnp.ones(5)}}
+    variables = {
+      "params": {"scale": scale, "bias": bias},
+      "batch_stats": {"mean": jnp.zeros(5), "var": jnp.ones(5)},
+    }
     bn = fused_norm.FusedBatchNorm(use_running_average=True)
     y = bn.apply(variables, x, residual=residual, relu=True)
     plain = nn.BatchNorm(use_running_average=True).apply(variables, x)
-    np.testing.assert_allclose(y, jnp.maximum(plain + residual, 0),
-                               rtol=_tol(f32, 1), atol=_tol(f32, 1))
+    np.testing.assert_allclose(
+      y, jnp.maximum(plain + residual, 0), rtol=_tol(f32, 1), atol=_tol(f32, 1)
+    )
 
 
 class UnbiasedRunningVarTest(parameterized.TestCase):
@@ -295,32 +329,37 @@ class UnbiasedRunningVarTest(parameterized.TestCase):
   def test_matches_numpy(self):
     x, _, _, _ = _norm_inputs()
     bn = fused_norm.FusedBatchNorm(
-        use_running_average=False, unbiased_running_var=True, momentum=0.6)
+      use_running_average=False, unbiased_running_var=True, momentum=0.6
+    )
     v = bn.init(jax.random.key(0), x)
-    y, upd = bn.apply(v, x, mutable=['batch_stats'])
+    y, upd = bn.apply(v, x, mutable=["batch_stats"])
     xn = np.asarray(x, np.float64).reshape(-1, 5)
     n = xn.shape[0]
     want = 0.6 * 1.0 + 0.4 * xn.var(0, ddof=1)
-    np.testing.assert_allclose(upd['batch_stats']['var'], want,
-                               rtol=_tol(f32, n))
+    np.testing.assert_allclose(
+      upd["batch_stats"]["var"], want, rtol=_tol(f32, n)
+    )
     # Normalisation still uses the biased variance.
     y_ref = nn.BatchNorm(use_running_average=False).apply(
-        v, x, mutable=['batch_stats'])[0]
-    np.testing.assert_allclose(y, y_ref, rtol=_tol(f32, n),
-                               atol=_tol(f32, n))
+      v, x, mutable=["batch_stats"]
+    )[0]
+    np.testing.assert_allclose(y, y_ref, rtol=_tol(f32, n), atol=_tol(f32, n))
 
   def test_axis_name_counts_devices(self):
     x, _, _, _ = _norm_inputs(shape=(4, 2, 3, 5))
     bn = fused_norm.FusedBatchNorm(
-        use_running_average=False, unbiased_running_var=True, momentum=0.0,
-        axis_name='batch')
+      use_running_average=False,
+      unbiased_running_var=True,
+      momentum=0.0,
+      axis_name="batch",
+    )
     v = bn.init(jax.random.key(0), x[0])
     upd = jax.vmap(
-        lambda xi: bn.apply(v, xi, mutable=['batch_stats'])[1],
-        axis_name='batch')(x)
+      lambda xi: bn.apply(v, xi, mutable=["batch_stats"])[1], axis_name="batch"
+    )(x)
     xn = np.asarray(x, np.float64).reshape(-1, 5)
     want = xn.var(0, ddof=1)  # n = 4 devices * 2 * 3 elements per channel.
-    for row in np.asarray(upd['batch_stats']['var']):
+    for row in np.asarray(upd["batch_stats"]["var"]):
       np.testing.assert_allclose(row, want, rtol=_tol(f32, xn.shape[0]))
 
 
@@ -328,31 +367,39 @@ class ShardMapTest(parameterized.TestCase):
   """Gradients under ``jax.shard_map(check_vma=True)`` on 4 CPU devices."""
 
   @parameterized.named_parameters(
-      ('relu_residual', True, True), ('plain', False, False))
+    ("relu_residual", True, True), ("plain", False, False)
+  )
   def test_global_batch_gradients(self, relu, with_residual):
     devices = jax.devices()[:4]
     self.assertLen(devices, 4)
     P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
-    mesh = jax.make_mesh((4,), ('batch',), devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+      (4,),
+      ("batch",),
+      devices=devices,
+      axis_types=(jax.sharding.AxisType.Auto,),
+    )
     x, scale, bias, residual = _norm_inputs(shape=(8, 2, 3, 5))
     if not with_residual:
       residual = None
     c = jnp.asarray(np.random.default_rng(5).normal(size=x.shape), f32)
 
     def module_loss(module, x, scale, bias, residual, c, axis_name):
-      variables = {'params': {'scale': scale, 'bias': bias},
-                   'batch_stats': {'mean': jnp.zeros(5), 'var': jnp.ones(5)}}
+      variables = {
+        "params": {"scale": scale, "bias": bias},
+        "batch_stats": {"mean": jnp.zeros(5), "var": jnp.ones(5)},
+      }
       if module is nn.BatchNorm:
-        y = nn.BatchNorm(use_running_average=False, axis_name=axis_name
-                         ).apply(variables, x, mutable=['batch_stats'])[0]
+        y = nn.BatchNorm(use_running_average=False, axis_name=axis_name).apply(
+          variables, x, mutable=["batch_stats"]
+        )[0]
         if residual is not None:
           y = y + residual
         y = jnp.maximum(y, 0) if relu else y
       else:
         y = fused_norm.FusedBatchNorm(
-            use_running_average=False, axis_name=axis_name, relu=relu
-        ).apply(variables, x, residual=residual, mutable=['batch_stats'])[0]
+          use_running_average=False, axis_name=axis_name, relu=relu
+        ).apply(variables, x, residual=residual, mutable=["batch_stats"])[0]
       return jnp.sum(y * c)
 
     argnums = (0, 1, 2) + ((3,) if with_residual else ())
@@ -360,23 +407,28 @@ class ShardMapTest(parameterized.TestCase):
     def sharded_grads(module):
       def local(x, scale, bias, residual, c):
         grads = jax.grad(
-            lambda *a: module_loss(module, *a, c, 'batch'), argnums)(
-                x, scale, bias, residual)
+          lambda *a: module_loss(module, *a, c, "batch"), argnums
+        )(x, scale, bias, residual)
         return grads
-      res_spec = P('batch') if with_residual else None
-      out_specs = (P('batch'), P(), P()) + (
-          (P('batch'),) if with_residual else ())
+
+      res_spec = P("batch") if with_residual else None
+      out_specs = (P("batch"), P(), P()) + (
+        (P("batch"),) if with_residual else ()
+      )
       fn = jax.shard_map(
-          local, mesh=mesh,
-          in_specs=(P('batch'), P(), P(), res_spec, P('batch')),
-          out_specs=out_specs, check_vma=True)
+        local,
+        mesh=mesh,
+        in_specs=(P("batch"), P(), P(), res_spec, P("batch")),
+        out_specs=out_specs,
+        check_vma=True,
+      )
       return jax.jit(fn)(x, scale, bias, residual, c)
 
     ours = sharded_grads(fused_norm.FusedBatchNorm)
     flax_grads = sharded_grads(nn.BatchNorm)
     whole = jax.grad(
-        lambda *a: module_loss(fused_norm.FusedBatchNorm, *a, c, None),
-        argnums)(x, scale, bias, residual)
+      lambda *a: module_loss(fused_norm.FusedBatchNorm, *a, c, None), argnums
+    )(x, scale, bias, residual)
     n = x.size // 5
     for a, b, w in zip(ours, flax_grads, whole):
       scale_ = max(float(np.max(np.abs(w))), 1.0)
@@ -385,38 +437,40 @@ class ShardMapTest(parameterized.TestCase):
 
 
 class PrecisionTest(parameterized.TestCase):
-
   def test_fp16_eval_computes_in_float32(self):
     x, scale, bias, _ = _norm_inputs(f16)
     scale, bias = scale.astype(f32), bias.astype(f32)
-    stats = {'mean': jnp.full((5,), 0.3), 'var': jnp.full((5,), 2.0)}
+    stats = {"mean": jnp.full((5,), 0.3), "var": jnp.full((5,), 2.0)}
     bn = fused_norm.FusedBatchNorm(use_running_average=True)
-    y = bn.apply({'params': {'scale': scale, 'bias': bias},
-                  'batch_stats': stats}, x)
-    ref = ((np.asarray(x, np.float64) - 0.3) / np.sqrt(2.0 + 1e-5)
-           * np.asarray(scale, np.float64) + np.asarray(bias, np.float64))
+    y = bn.apply(
+      {"params": {"scale": scale, "bias": bias}, "batch_stats": stats}, x
+    )
+    ref = (np.asarray(x, np.float64) - 0.3) / np.sqrt(2.0 + 1e-5) * np.asarray(
+      scale, np.float64
+    ) + np.asarray(bias, np.float64)
     self.assertEqual(y.dtype, f32)
-    np.testing.assert_allclose(y, ref, rtol=0,
-                               atol=_tol(f32, 4) * np.max(np.abs(ref)))
+    np.testing.assert_allclose(
+      y, ref, rtol=0, atol=_tol(f32, 4) * np.max(np.abs(ref))
+    )
 
 
 def test_import_without_flax_names_the_extra():
   code = (
-      'import sys\n'
-      'class Block:\n'
-      '  def find_spec(self, name, path=None, target=None):\n'
-      '    if name == "flax" or name.startswith("flax."):\n'
-      '      raise ImportError(name)\n'
-      'sys.meta_path.insert(0, Block())\n'
-      'import jaxmp\n'
-      'assert "flax" not in sys.modules\n'
-      'for mod in ("jaxmp.nn", "jaxmp.models"):\n'
-      '  try:\n'
-      '    __import__(mod)\n'
-      '  except ImportError as e:\n'
-      '    assert str(e) == f"{mod} needs flax: pip install \'jaxmp[flax]\'"\n'
-      '    assert e.__cause__ is None and e.__suppress_context__\n'
-      '  else:\n'
-      '    raise AssertionError(mod)\n'
+    "import sys\n"
+    "class Block:\n"
+    "  def find_spec(self, name, path=None, target=None):\n"
+    '    if name == "flax" or name.startswith("flax."):\n'
+    "      raise ImportError(name)\n"
+    "sys.meta_path.insert(0, Block())\n"
+    "import jaxmp\n"
+    'assert "flax" not in sys.modules\n'
+    'for mod in ("jaxmp.nn", "jaxmp.models"):\n'
+    "  try:\n"
+    "    __import__(mod)\n"
+    "  except ImportError as e:\n"
+    "    assert str(e) == f\"{mod} needs flax: pip install 'jaxmp[flax]'\"\n"
+    "    assert e.__cause__ is None and e.__suppress_context__\n"
+    "  else:\n"
+    "    raise AssertionError(mod)\n"
   )
-  subprocess.run([sys.executable, '-c', code], check=True)
+  subprocess.run([sys.executable, "-c", code], check=True)

@@ -30,7 +30,7 @@ def crop_options(image: np.ndarray) -> list[np.ndarray]:
   out = []
   for dy in range(9):
     for dx in range(9):
-      crop = padded[dy:dy + h, dx:dx + w]
+      crop = padded[dy : dy + h, dx : dx + w]
       out += [crop, crop[:, ::-1]]
   return out
 
@@ -56,7 +56,8 @@ def test_train_stream_shapes_order_and_normalisation():
     assert b["label"].shape == (16,) and b["label"].dtype == np.int32
   order = np.concatenate([b["label"] for b in batches])
   np.testing.assert_array_equal(
-      order, host_stream.epoch_permutation(0, 0, 100)[:96])
+    order, host_stream.epoch_permutation(0, 0, 100)[:96]
+  )
   for b in batches[:2]:
     for image, label in zip(b["image"], b["label"]):
       assert is_valid_crop(unnormalize(image), images[label])
@@ -98,17 +99,19 @@ def test_train_stream_process_slices():
   images, labels = random_data()
   full = collect(images, labels, epoch=2)
   parts = [
-      collect(images, labels, epoch=2, process_index=i, process_count=2)
-      for i in range(2)
+    collect(images, labels, epoch=2, process_index=i, process_count=2)
+    for i in range(2)
   ]
   for step, whole in enumerate(full):
     p0, p1 = parts[0][step], parts[1][step]
     assert p0["image"].shape == (8, 8, 8, 3)
     assert not set(p0["label"]) & set(p1["label"])
     np.testing.assert_array_equal(
-        np.concatenate([p0["label"], p1["label"]]), whole["label"])
+      np.concatenate([p0["label"], p1["label"]]), whole["label"]
+    )
     np.testing.assert_array_equal(
-        np.concatenate([p0["image"], p1["image"]]), whole["image"])
+      np.concatenate([p0["image"], p1["image"]]), whole["image"]
+    )
   with pytest.raises(ValueError, match="divisible"):
     collect(images, labels, epoch=0, process_count=3)
 
@@ -121,9 +124,17 @@ def test_eval_covers_every_example_once(process_count):
   images, labels = random_data(n=50)
   seen = []
   for i in range(process_count):
-    batches = list(host_stream.eval_batches(
-        images, labels, batch_size=16, mean=MEAN, std=STD, process_index=i,
-        process_count=process_count))
+    batches = list(
+      host_stream.eval_batches(
+        images,
+        labels,
+        batch_size=16,
+        mean=MEAN,
+        std=STD,
+        process_index=i,
+        process_count=process_count,
+      )
+    )
     assert len(batches) == 4
     for b in batches:
       assert b["image"].shape == (16 // process_count, 8, 8, 3)
@@ -132,6 +143,7 @@ def test_eval_covers_every_example_once(process_count):
         np.testing.assert_array_equal(unnormalize(image), images[label])
       seen += b["label"][b["mask"]].tolist()
   assert sorted(seen) == list(range(50))
-  last = list(host_stream.eval_batches(
-      images, labels, batch_size=16, mean=MEAN, std=STD))[-1]
+  last = list(
+    host_stream.eval_batches(images, labels, batch_size=16, mean=MEAN, std=STD)
+  )[-1]
   assert last["mask"].tolist() == [True] * 2 + [False] * 14

@@ -19,52 +19,84 @@ from cifar_train.errors import ConfigError
 from configs import default
 
 
-def test_train_and_evaluate_synthetic_writes_everything(make_config,
-                                                        data_dir, tmp_path):
+def test_train_and_evaluate_synthetic_writes_everything(
+  make_config, data_dir, tmp_path
+):
   workdir = str(tmp_path / "run")
   summary = loop.train_and_evaluate(make_config(data_dir), workdir)
   assert summary["steps"] == 6 and summary["num_devices"] == 4
   assert len(summary["params_fingerprint"]) == 64
   assert len(summary["state_fingerprint"]) == 64
-  for key in ("test_loss", "test_accuracy", "train_loss", "train_accuracy",
-              "wall_seconds", "num_processes", "config"):
+  for key in (
+    "test_loss",
+    "test_accuracy",
+    "train_loss",
+    "train_accuracy",
+    "wall_seconds",
+    "num_processes",
+    "config",
+  ):
     assert key in summary
   with open(os.path.join(workdir, "summary.json")) as f:
     assert json.load(f)["state_fingerprint"] == summary["state_fingerprint"]
   (record,) = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  assert set(record) == {"epoch", "step", "train_loss", "train_accuracy",
-                         "test_loss", "test_accuracy", "loss_scale",
-                         "skipped_steps", "images_per_sec"}
+  assert set(record) == {
+    "epoch",
+    "step",
+    "train_loss",
+    "train_accuracy",
+    "test_loss",
+    "test_accuracy",
+    "loss_scale",
+    "skipped_steps",
+    "images_per_sec",
+  }
   assert 0 <= record["test_accuracy"] <= 1 and record["step"] == 6
   assert os.path.getsize(os.path.join(workdir, "plots.png")) > 1000
   assert glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*"))
-  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [
-      "2", "4", "6"][-default.get_config().keep_checkpoints:]
-  assert [r["step"] for r in read_jsonl(os.path.join(workdir, "steps.jsonl"))
-          ] == [1, 2, 3, 4, 5, 6]
+  assert (
+    sorted(os.listdir(os.path.join(workdir, "checkpoints")))
+    == ["2", "4", "6"][-default.get_config().keep_checkpoints :]
+  )
+  assert [
+    r["step"] for r in read_jsonl(os.path.join(workdir, "steps.jsonl"))
+  ] == [1, 2, 3, 4, 5, 6]
 
 
 def test_eval_counts_every_example_once(make_config, data_dir, tiny_data):
   s = settings.resolve(make_config(data_dir))
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-      "data"))
-  model = steps.create_model(s.model, num_classes=tiny_data.num_classes,
-                             num_filters=s.num_filters,
-                             precision=s.precision)
+  sharding = jax.sharding.NamedSharding(
+    mesh, jax.sharding.PartitionSpec("data")
+  )
+  model = steps.create_model(
+    s.model,
+    num_classes=tiny_data.num_classes,
+    num_filters=s.num_filters,
+    precision=s.precision,
+  )
   optimizer = steps.create_optimizer(s.precision, 0.1, momentum=0.9)
   state = steps.create_train_state(model, optimizer, (32, 32, 3), seed=0)
-  eval_step = jax.jit(steps.make_eval_step(
-      model, compute_dtype=s.precision.compute_dtype))
-  result = loop.evaluate(eval_step, state, tiny_data, sharding,
-                         batch_size=s.eval_batch_size, mean=s.mean, std=s.std)
+  eval_step = jax.jit(
+    steps.make_eval_step(model, compute_dtype=s.precision.compute_dtype)
+  )
+  result = loop.evaluate(
+    eval_step,
+    state,
+    tiny_data,
+    sharding,
+    batch_size=s.eval_batch_size,
+    mean=s.mean,
+    std=s.std,
+  )
   assert result["count"] == 100  # 2 batches of 64, 28 padded rows masked.
 
 
 @pytest.mark.invariant
 @pytest.mark.parametrize("on_device", [False, True])
-def test_resume_is_exact_for_the_whole_state(on_device, make_config, data_dir,
-                                             tiny_data, tmp_path):
+def test_resume_is_exact_for_the_whole_state(
+  on_device, make_config, data_dir, tiny_data, tmp_path
+):
   """6 steps in one go == 4 steps, stop, resume to 6: every bit of the state.
 
   The state fingerprint covers step, params, BatchNorm statistics, the whole
@@ -79,19 +111,29 @@ def test_resume_is_exact_for_the_whole_state(on_device, make_config, data_dir,
   assert resumed["steps"] == 6
   assert resumed["state_fingerprint"] == ref["state_fingerprint"]
   assert resumed["params_fingerprint"] == ref["params_fingerprint"]
-  losses = lambda d: [(r["step"], r["loss"], r["loss_scale"]) for r in
-                      read_jsonl(os.path.join(d, "steps.jsonl"))]
+  losses = lambda d: [
+    (r["step"], r["loss"], r["loss_scale"])
+    for r in read_jsonl(os.path.join(d, "steps.jsonl"))
+  ]
   assert losses(split) == losses(full)
 
 
 def test_same_seed_same_state(make_config, data_dir, tiny_data, tmp_path):
-  a = loop.train_and_evaluate(make_config(data_dir, num_train_steps=2),
-                              str(tmp_path / "a"), data=tiny_data)
-  b = loop.train_and_evaluate(make_config(data_dir, num_train_steps=2),
-                              str(tmp_path / "b"), data=tiny_data)
-  c = loop.train_and_evaluate(make_config(data_dir, num_train_steps=2,
-                                          seed=1),
-                              str(tmp_path / "c"), data=tiny_data)
+  a = loop.train_and_evaluate(
+    make_config(data_dir, num_train_steps=2),
+    str(tmp_path / "a"),
+    data=tiny_data,
+  )
+  b = loop.train_and_evaluate(
+    make_config(data_dir, num_train_steps=2),
+    str(tmp_path / "b"),
+    data=tiny_data,
+  )
+  c = loop.train_and_evaluate(
+    make_config(data_dir, num_train_steps=2, seed=1),
+    str(tmp_path / "c"),
+    data=tiny_data,
+  )
   assert a["state_fingerprint"] == b["state_fingerprint"]
   assert a["state_fingerprint"] != c["state_fingerprint"]
 
@@ -99,19 +141,32 @@ def test_same_seed_same_state(make_config, data_dir, tiny_data, tmp_path):
 def _whole_batch_config(make_config, data_dir, **overrides):
   # One batch is the whole training set and there is no augmentation, so
   # both data modes feed the same examples, only in another order.
-  return make_config(data_dir, policy="O0", batch_size=256, augment=False,
-                     num_epochs=2, num_train_steps=-1, log_every_steps=1,
-                     checkpoint_every_steps=0, **overrides)
+  return make_config(
+    data_dir,
+    policy="O0",
+    batch_size=256,
+    augment=False,
+    num_epochs=2,
+    num_train_steps=-1,
+    log_every_steps=1,
+    checkpoint_every_steps=0,
+    **overrides,
+  )
 
 
 def test_device_resident_and_host_stream_see_the_same_batches(
-    make_config, data_dir, tiny_data, tmp_path):
+  make_config, data_dir, tiny_data, tmp_path
+):
   host = loop.train_and_evaluate(
-      _whole_batch_config(make_config, data_dir), str(tmp_path / "host"),
-      data=tiny_data)
+    _whole_batch_config(make_config, data_dir),
+    str(tmp_path / "host"),
+    data=tiny_data,
+  )
   dev = loop.train_and_evaluate(
-      _whole_batch_config(make_config, data_dir, data_on_device=True),
-      str(tmp_path / "dev"), data=tiny_data)
+    _whole_batch_config(make_config, data_dir, data_on_device=True),
+    str(tmp_path / "dev"),
+    data=tiny_data,
+  )
   a = read_jsonl(os.path.join(tmp_path, "host", "steps.jsonl"))
   b = read_jsonl(os.path.join(tmp_path, "dev", "steps.jsonl"))
   assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
@@ -122,14 +177,19 @@ def test_device_resident_and_host_stream_see_the_same_batches(
   assert dev["test_loss"] == pytest.approx(host["test_loss"], rel=1e-3)
 
 
-def test_one_device_and_four_devices_agree(make_config, data_dir, tiny_data,
-                                           tmp_path):
+def test_one_device_and_four_devices_agree(
+  make_config, data_dir, tiny_data, tmp_path
+):
   one = loop.train_and_evaluate(
-      make_config(data_dir, num_devices=1, policy="O0"), str(tmp_path / "1"),
-      data=tiny_data)
+    make_config(data_dir, num_devices=1, policy="O0"),
+    str(tmp_path / "1"),
+    data=tiny_data,
+  )
   four = loop.train_and_evaluate(
-      make_config(data_dir, num_devices=4, policy="O0"), str(tmp_path / "4"),
-      data=tiny_data)
+    make_config(data_dir, num_devices=4, policy="O0"),
+    str(tmp_path / "4"),
+    data=tiny_data,
+  )
   assert (one["num_devices"], four["num_devices"]) == (1, 4)
   # The same batches; only the order of the cross-device sums differs.
   a = read_jsonl(os.path.join(tmp_path, "1", "steps.jsonl"))
@@ -142,22 +202,28 @@ def test_one_device_and_four_devices_agree(make_config, data_dir, tiny_data,
 def test_cifar10_under_mock_data(make_config, tmp_path, monkeypatch):
   # mock_data replaces reading and preparing; there is nothing to download.
   monkeypatch.setattr(data_sources, "network_available", lambda: True)
-  config = make_config("", dataset="cifar10", num_train_steps=2,
-                       checkpoint_every_steps=0)
+  config = make_config(
+    "", dataset="cifar10", num_train_steps=2, checkpoint_every_steps=0
+  )
   with tfds.testing.mock_data(num_examples=96):
     summary = loop.train_and_evaluate(config, str(tmp_path / "run"))
   assert summary["steps"] == 2 and np.isfinite(summary["test_loss"])
 
 
-@pytest.mark.parametrize("override,match", [
+@pytest.mark.parametrize(
+  "override,match",
+  [
     ({"batch_size": 30}, "batch_size 30 is not divisible by the 4 devices"),
     ({"batch_size": 512}, "batch_size 512 is larger than the 256 training"),
     ({"num_devices": 8}, "num_devices=8 but only 4 devices"),
-])
+  ],
+)
 def test_bad_values_found_at_run_time_fail_before_training(
-    override, match, make_config, data_dir, tiny_data, tmp_path):
+  override, match, make_config, data_dir, tiny_data, tmp_path
+):
   workdir = tmp_path / "run"
   with pytest.raises(ConfigError, match=match):
-    loop.train_and_evaluate(make_config(data_dir, **override), str(workdir),
-                            data=tiny_data)
+    loop.train_and_evaluate(
+      make_config(data_dir, **override), str(workdir), data=tiny_data
+    )
   assert not (workdir / "checkpoints").exists()

@@ -13,8 +13,12 @@ import jaxmp
 
 
 def _dynamic(scale=2.0**10, period=5, factor=2, floor=1.0):
-  return jmp.DynamicLossScale(np.float32(scale), period=period, factor=factor,
-                              min_loss_scale=np.float32(floor))
+  return jmp.DynamicLossScale(
+    np.float32(scale),
+    period=period,
+    factor=factor,
+    min_loss_scale=np.float32(floor),
+  )
 
 
 def _scale_trajectory(pattern, **kwargs):
@@ -56,10 +60,10 @@ def _grad_scaler_rule(pattern, init, growth_interval, factor):
 
 
 class TestLossScaleRule:
-
   def test_growth_closed_form_over_150_steps(self):
     used, finite, state = _scale_trajectory(
-        [False] * 150, loss_scale=_dynamic(1.0, period=7), max_loss_scale=None)
+      [False] * 150, loss_scale=_dynamic(1.0, period=7), max_loss_scale=None
+    )
     assert all(finite)
     expected = [2.0 ** (t // 7) for t in range(150)]
     assert used == expected
@@ -69,14 +73,17 @@ class TestLossScaleRule:
     rng = np.random.default_rng(0)
     pattern = list(rng.random(300) < 0.15)
     used, finite, _ = _scale_trajectory(
-        pattern, loss_scale=_dynamic(2.0**16, period=4, floor=2.0**-60),
-        max_loss_scale=None)
+      pattern,
+      loss_scale=_dynamic(2.0**16, period=4, floor=2.0**-60),
+      max_loss_scale=None,
+    )
     assert finite == [not b for b in pattern]
     assert used == _grad_scaler_rule(pattern, 2.0**16, 4, 2)
 
   def test_floor_holds(self):
     used, _, state = _scale_trajectory(
-        [True] * 20, loss_scale=_dynamic(2.0**5, floor=4.0))
+      [True] * 20, loss_scale=_dynamic(2.0**5, floor=4.0)
+    )
     assert used[:4] == [32.0, 16.0, 8.0, 4.0]
     assert set(used[3:]) == {4.0}
     assert float(state.loss_scale) == 4.0
@@ -85,12 +92,14 @@ class TestLossScaleRule:
 
   def test_cap_holds_and_never_inf(self):
     _, _, state = _scale_trajectory(
-        [False] * 40, loss_scale=_dynamic(2.0**20, period=1),
-        max_loss_scale=2.0**24)
+      [False] * 40,
+      loss_scale=_dynamic(2.0**20, period=1),
+      max_loss_scale=2.0**24,
+    )
     assert float(state.loss_scale) == 2.0**24
     _, _, state = _scale_trajectory(
-        [False] * 40, loss_scale=_dynamic(2.0**120, period=1),
-        max_loss_scale=None)
+      [False] * 40, loss_scale=_dynamic(2.0**120, period=1), max_loss_scale=None
+    )
     assert float(state.loss_scale) == 2.0**127  # next would be inf.
 
   def test_overflow_resets_the_growth_counter(self):
@@ -98,42 +107,51 @@ class TestLossScaleRule:
     used, _, _ = _scale_trajectory(pattern, loss_scale=_dynamic(8.0, period=5))
     # 4 finite steps, overflow halves, then the 5th finite step after it grows.
     assert used == [8.0] * 5 + [4.0] * 5
-    used, _, state = _scale_trajectory(pattern + [False],
-                                       loss_scale=_dynamic(8.0, period=5))
+    used, _, state = _scale_trajectory(
+      pattern + [False], loss_scale=_dynamic(8.0, period=5)
+    )
     assert float(state.loss_scale) == 8.0
 
   def test_hysteresis_backs_off_from_the_kth_overflow_in_a_row(self):
     pattern = [True, False, True, True, True, False]
     used, finite, state = _scale_trajectory(
-        pattern, loss_scale=_dynamic(64.0), hysteresis=2)
+      pattern, loss_scale=_dynamic(64.0), hysteresis=2
+    )
     assert finite == [False, True, False, False, False, True]
     assert used == [64.0, 64.0, 64.0, 64.0, 32.0, 16.0]
     assert int(state.skipped_steps) == 4
 
   def test_static_and_noop_never_change_but_still_skip(self):
-    used, finite, state = _scale_trajectory([True, False] * 3,
-                                            loss_scale=128.0)
+    used, finite, state = _scale_trajectory([True, False] * 3, loss_scale=128.0)
     assert set(used) == {128.0} and finite == [False, True] * 3
     assert int(state.skipped_steps) == 3
-    used, _, _ = _scale_trajectory([True, False],
-                                   loss_scale=jmp.NoOpLossScale())
+    used, _, _ = _scale_trajectory(
+      [True, False], loss_scale=jmp.NoOpLossScale()
+    )
     assert set(used) == {1.0}
 
   def test_adjust_loss_scale_is_pure(self):
-    cfg = jaxmp.LossScaleConfig("dynamic", period=2, factor=2.0,
-                                min_loss_scale=1.0, max_loss_scale=8.0)
+    cfg = jaxmp.LossScaleConfig(
+      "dynamic", period=2, factor=2.0, min_loss_scale=1.0, max_loss_scale=8.0
+    )
     scale, counter = jax.jit(jaxmp.adjust_loss_scale, static_argnums=0)(
-        cfg, jnp.float32(8.0), jnp.int32(1), jnp.int32(0), jnp.bool_(True))
+      cfg, jnp.float32(8.0), jnp.int32(1), jnp.int32(0), jnp.bool_(True)
+    )
     assert float(scale) == 8.0 and int(counter) == 0
 
 
 class TestJitRoundTrip:
-
-  @pytest.mark.parametrize("loss_scale", [
-      _dynamic(2.0**15, period=10, floor=2.0**-3), 64.0, jmp.NoOpLossScale()])
+  @pytest.mark.parametrize(
+    "loss_scale",
+    [_dynamic(2.0**15, period=10, floor=2.0**-3), 64.0, jmp.NoOpLossScale()],
+  )
   def test_state_survives_jit_with_every_field(self, loss_scale):
-    opt = jaxmp.mixed_precision(optax.adam(1e-3), loss_scale=loss_scale,
-                                max_loss_scale=2.0**20, hysteresis=3)
+    opt = jaxmp.mixed_precision(
+      optax.adam(1e-3),
+      loss_scale=loss_scale,
+      max_loss_scale=2.0**20,
+      hysteresis=3,
+    )
     params = {"a": jnp.ones(3, jnp.float16), "b": jnp.ones(2)}
     state = opt.init(params)
     out = jax.jit(lambda s: s)(state)
@@ -159,14 +177,20 @@ class TestJitRoundTrip:
 def _random_grads(rng, params, n, scale_fn):
   """Unscaled fp32 gradients for n steps."""
   del scale_fn
-  return [{k: rng.standard_normal(v.shape).astype(np.float32)
-           for k, v in params.items()} for _ in range(n)]
+  return [
+    {
+      k: rng.standard_normal(v.shape).astype(np.float32)
+      for k, v in params.items()
+    }
+    for _ in range(n)
+  ]
 
 
 def _scaled(grads, params, scale):
   """Gradients of loss * scale, in each param's dtype (exact: scale is 2^k)."""
-  return {k: jnp.asarray(g * scale).astype(params[k].dtype)
-          for k, g in grads.items()}
+  return {
+    k: jnp.asarray(g * scale).astype(params[k].dtype) for k, g in grads.items()
+  }
 
 
 def _jitted_step(opt):
@@ -185,18 +209,19 @@ def _jitted_step(opt):
 
 
 class TestMastersAndSkips:
-
   def _params(self):
     rng = np.random.default_rng(1)
     return {
-        "half": jnp.asarray(rng.standard_normal((4, 8)), jnp.float16),
-        "bf16": jnp.asarray(rng.standard_normal((8,)), jnp.bfloat16),
-        "full": jnp.asarray(rng.standard_normal((5,)), jnp.float32),
+      "half": jnp.asarray(rng.standard_normal((4, 8)), jnp.float16),
+      "bf16": jnp.asarray(rng.standard_normal((8,)), jnp.bfloat16),
+      "full": jnp.asarray(rng.standard_normal((5,)), jnp.float32),
     }
 
   @pytest.mark.invariant
-  @pytest.mark.parametrize("inner", [
-      optax.sgd(0.1, momentum=0.9), optax.adamw(1e-2, weight_decay=1e-2)])
+  @pytest.mark.parametrize(
+    "inner",
+    [optax.sgd(0.1, momentum=0.9), optax.adamw(1e-2, weight_decay=1e-2)],
+  )
   def test_params_are_cast_masters_and_masters_match_plain_fp32(self, inner):
     params = self._params()
     opt = jaxmp.mixed_precision(inner, loss_scale=_dynamic(2.0**8, period=7))
@@ -210,20 +235,24 @@ class TestMastersAndSkips:
     moved = jax.tree.map(lambda p: np.zeros(p.shape), ref_params)
     for grads in _random_grads(rng, params, 50, None):
       # fp16-representable gradients so both runs see the same numbers.
-      grads = {k: np.asarray(jnp.asarray(g, params[k].dtype), np.float32)
-               for k, g in grads.items()}
+      grads = {
+        k: np.asarray(jnp.asarray(g, params[k].dtype), np.float32)
+        for k, g in grads.items()
+      }
       scale = float(state.loss_scale)
       updates, state = step(_scaled(grads, params, scale), state, params)
       params = optax.apply_updates(params, updates)
       old_ref = ref_params
       ref_params, ref_state = ref_step(
-          {k: jnp.asarray(g) for k, g in grads.items()}, ref_state, ref_params)
+        {k: jnp.asarray(g) for k, g in grads.items()}, ref_state, ref_params
+      )
       assert bool(state.grads_finite)
       masters = jaxmp.master_params(state, params)
       for k in params:
         np.testing.assert_array_equal(
-            np.asarray(params[k]).view(np.uint8),
-            np.asarray(masters[k].astype(params[k].dtype)).view(np.uint8))
+          np.asarray(params[k]).view(np.uint8),
+          np.asarray(masters[k].astype(params[k].dtype)).view(np.uint8),
+        )
         # The two are different XLA programs, fused differently, and XLA:CPU
         # contracts a multiply and an add into an FMA only inside one fusion
         # (the default flags do, the fast ones mostly do not): the same ops
@@ -235,27 +264,37 @@ class TestMastersAndSkips:
         moved[k] += np.abs(np.asarray(ref_params[k], np.float64) - old)
         tol = 2 * ulps[k] + 8 * np.finfo(np.float32).eps / 0.1 * moved[k]
         np.testing.assert_array_less(
-            np.abs(np.asarray(masters[k], np.float64) -
-                   np.asarray(ref_params[k], np.float64)), tol + 1e-30)
+          np.abs(
+            np.asarray(masters[k], np.float64)
+            - np.asarray(ref_params[k], np.float64)
+          ),
+          tol + 1e-30,
+        )
     assert float(state.loss_scale) == 2.0**8 * 2**7  # 50 // 7 growths.
 
   @pytest.mark.invariant
   @pytest.mark.parametrize("bad_value", [np.inf, -np.inf, np.nan])
   @pytest.mark.parametrize("bad_leaf", ["half", "full"])
   @pytest.mark.parametrize("bad_steps", [(0,), (5, 6, 11)])
-  def test_fault_injection_equals_control_run(self, bad_value, bad_leaf,
-                                              bad_steps):
+  def test_fault_injection_equals_control_run(
+    self, bad_value, bad_leaf, bad_steps
+  ):
     """Skipped steps change nothing: bit-identical to a run without them."""
     params = self._params()
-    opt = jaxmp.mixed_precision(optax.sgd(0.05, momentum=0.9),
-                                loss_scale=_dynamic(2.0**6, period=3))
+    opt = jaxmp.mixed_precision(
+      optax.sgd(0.05, momentum=0.9), loss_scale=_dynamic(2.0**6, period=3)
+    )
     step = jax.jit(opt.update)
-    run = {"faulty": [params, opt.init(params)],
-           "control": [params, opt.init(params)]}
+    run = {
+      "faulty": [params, opt.init(params)],
+      "control": [params, opt.init(params)],
+    }
     rng = np.random.default_rng(3)
     for t, grads in enumerate(_random_grads(rng, params, 14, None)):
-      grads = {k: np.asarray(jnp.asarray(g, params[k].dtype), np.float32)
-               for k, g in grads.items()}
+      grads = {
+        k: np.asarray(jnp.asarray(g, params[k].dtype), np.float32)
+        for k, g in grads.items()
+      }
       for name in ("faulty", "control") if t not in bad_steps else ("faulty",):
         p, state = run[name]
         scaled = _scaled(grads, p, float(state.loss_scale))
@@ -268,25 +307,47 @@ class TestMastersAndSkips:
           assert not bool(state.grads_finite)
           assert not any(np.any(np.asarray(u)) for u in updates.values())
           for k in p:  # Skipped: the params are unchanged, bit for bit.
-            np.testing.assert_array_equal(np.asarray(new_p[k]).view(np.uint8),
-                                          np.asarray(p[k]).view(np.uint8))
+            np.testing.assert_array_equal(
+              np.asarray(new_p[k]).view(np.uint8),
+              np.asarray(p[k]).view(np.uint8),
+            )
         run[name] = [new_p, state]
       (p1, s1), (p2, s2) = run["faulty"], run["control"]
-      for a, b in ((p1, p2), (s1.master_params, s2.master_params),
-                   (s1.inner_state, s2.inner_state)):
+      for a, b in (
+        (p1, p2),
+        (s1.master_params, s2.master_params),
+        (s1.inner_state, s2.inner_state),
+      ):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-          np.testing.assert_array_equal(np.asarray(x).view(np.uint8),
-                                        np.asarray(y).view(np.uint8))
+          np.testing.assert_array_equal(
+            np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)
+          )
     stats = jax.device_get(jaxmp.stats(run["faulty"][1]))
     assert stats["skipped_steps"] == len(bad_steps)
 
   @pytest.mark.invariant
   @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-  def test_params_are_cast_masters_bitwise_with_zeros_and_subnormals(self,
-                                                                     dtype):
+  def test_params_are_cast_masters_bitwise_with_zeros_and_subnormals(
+    self, dtype
+  ):
     tiny = float(jnp.finfo(dtype).smallest_subnormal)
-    base = np.array([0.0, -0.0, tiny, -tiny, 3 * tiny, -3 * tiny, 1e-3, -1e-3,
-                     1.0, -1.0, 0.0, -0.0], np.float32)
+    base = np.array(
+      [
+        0.0,
+        -0.0,
+        tiny,
+        -tiny,
+        3 * tiny,
+        -3 * tiny,
+        1e-3,
+        -1e-3,
+        1.0,
+        -1.0,
+        0.0,
+        -0.0,
+      ],
+      np.float32,
+    )
     params = {"w": jnp.asarray(base, dtype)}
     opt = jaxmp.mixed_precision(optax.sgd(1.0), loss_scale=2.0**4)
     state = opt.init(params)
@@ -296,11 +357,20 @@ class TestMastersAndSkips:
     # move by less than a half ulp (masters move, params do not).
     # The first one takes the -0.0 params to masters of -tiny / 4: params
     # that must stay -0.0.
-    grads = [np.full_like(base, tiny / 4), base, -base, 2 * base,
-             np.zeros_like(base), -base, np.full_like(base, tiny / 4),
-             np.full_like(base, -tiny / 4)]
-    grads += [rng.standard_normal(base.shape).astype(np.float32) * tiny
-              for _ in range(6)]
+    grads = [
+      np.full_like(base, tiny / 4),
+      base,
+      -base,
+      2 * base,
+      np.zeros_like(base),
+      -base,
+      np.full_like(base, tiny / 4),
+      np.full_like(base, -tiny / 4),
+    ]
+    grads += [
+      rng.standard_normal(base.shape).astype(np.float32) * tiny
+      for _ in range(6)
+    ]
     for g in grads:
       old = np.asarray(params["w"])
       updates, state = step({"w": jnp.asarray(g * 2.0**4)}, state, params)
@@ -318,12 +388,14 @@ class TestMastersAndSkips:
 
   def test_no_master_weights_updates_half_params_in_place(self):
     params = {"w": jnp.ones(4, jnp.float16)}
-    opt = jaxmp.mixed_precision(optax.sgd(0.25), loss_scale=4.0,
-                                master_weights=False)
+    opt = jaxmp.mixed_precision(
+      optax.sgd(0.25), loss_scale=4.0, master_weights=False
+    )
     state = opt.init(params)
     assert state.master_params == {"w": None}
-    updates, state = opt.update({"w": jnp.full(4, 4.0, jnp.float16)}, state,
-                                params)
+    updates, state = opt.update(
+      {"w": jnp.full(4, 4.0, jnp.float16)}, state, params
+    )
     assert optax.apply_updates(params, updates)["w"].tolist() == [0.75] * 4
     with pytest.raises(ValueError, match="no master"):
       jaxmp.master_params(state)
@@ -348,8 +420,16 @@ class TestAllFinite:
       good = rng.standard_normal(size).astype(np.float32)
       tree = {"x": jnp.asarray(good, dtype), "other": jnp.ones(3)}
       assert bool(check(tree))
-      for pos in sorted({0, 1, size // 2, size - 2, size - 1,
-                         *range(0, size, max(1, size // 11))}):
+      for pos in sorted(
+        {
+          0,
+          1,
+          size // 2,
+          size - 2,
+          size - 1,
+          *range(0, size, max(1, size // 11)),
+        }
+      ):
         for value in (np.nan, np.inf, -np.inf):
           bad = good.copy()
           bad[pos] = value
@@ -357,8 +437,10 @@ class TestAllFinite:
           assert not bool(check(tree)), (size, pos, value)
 
   def test_finite_values_whose_sum_overflows_are_finite(self):
-    big = {"a": jnp.full(1000, 3e38, jnp.float32),
-           "b": jnp.full(10, 3e38, jnp.float32)}
+    big = {
+      "a": jnp.full(1000, 3e38, jnp.float32),
+      "b": jnp.full(10, 3e38, jnp.float32),
+    }
     assert bool(jax.jit(jaxmp.all_finite)(big))
     big["b"] = big["b"].at[3].set(np.nan)
     assert not bool(jax.jit(jaxmp.all_finite)(big))
@@ -374,7 +456,6 @@ class TestAllFinite:
 
 
 class TestComposition:
-
   def test_clip_inside_sees_unscaled_grads(self):
     params = {"w": jnp.zeros(4)}
     inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
@@ -398,25 +479,28 @@ class TestComposition:
     inner = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
     opt = jaxmp.mixed_precision(inner, loss_scale=2.0)
     state = opt.init(params)
-    updates, state = opt.update({"w": jnp.full(2, 2.0, jnp.float16)}, state,
-                                params)
+    updates, state = opt.update(
+      {"w": jnp.full(2, 2.0, jnp.float16)}, state, params
+    )
     assert updates["w"].tolist() == [-0.5, -0.5]
     outer = optax.inject_hyperparams(
-        jaxmp.mixed_precision, static_args=("loss_scale", "max_loss_scale",
-                                            "hysteresis"))(
-                                                optax.sgd(0.5), loss_scale=2.0)
+      jaxmp.mixed_precision,
+      static_args=("loss_scale", "max_loss_scale", "hysteresis"),
+    )(optax.sgd(0.5), loss_scale=2.0)
     ostate = outer.init(params)
     assert float(jaxmp.stats(ostate)["loss_scale"]) == 2.0
-    updates, ostate = outer.update({"w": jnp.full(2, 2.0, jnp.float16)},
-                                   ostate, params)
+    updates, ostate = outer.update(
+      {"w": jnp.full(2, 2.0, jnp.float16)}, ostate, params
+    )
     assert updates["w"].tolist() == [-0.5, -0.5]
     assert float(jaxmp.scale_loss(jnp.float32(3.0), ostate)) == 6.0
 
   def test_multi_transform_inside(self):
     params = {"a": jnp.ones(2, jnp.float16), "b": jnp.ones(2)}
     inner = optax.multi_transform(
-        {"fast": optax.sgd(1.0), "frozen": optax.set_to_zero()},
-        {"a": "fast", "b": "frozen"})
+      {"fast": optax.sgd(1.0), "frozen": optax.set_to_zero()},
+      {"a": "fast", "b": "frozen"},
+    )
     opt = jaxmp.mixed_precision(inner, loss_scale=4.0)
     state = opt.init(params)
     grads = {"a": jnp.full(2, 4.0, jnp.float16), "b": jnp.full(2, 4.0)}
@@ -426,28 +510,40 @@ class TestComposition:
     assert jaxmp.stats(state)["loss_scale"] == 4.0
 
   def test_two_mixed_precision_states_are_ambiguous(self):
-    inner = optax.chain(jaxmp.mixed_precision(optax.sgd(1.0)),
-                        jaxmp.mixed_precision(optax.sgd(1.0)))
+    inner = optax.chain(
+      jaxmp.mixed_precision(optax.sgd(1.0)),
+      jaxmp.mixed_precision(optax.sgd(1.0)),
+    )
     state = inner.init({"a": jnp.ones(1), "b": jnp.ones(1)})
     with pytest.raises(ValueError, match="found 2"):
       jaxmp.stats(state)
 
-  @pytest.mark.parametrize("wrap", [
+  @pytest.mark.parametrize(
+    "wrap",
+    [
       lambda tx, labels: optax.multi_transform(
-          {"a": jaxmp.mixed_precision(tx), "b": optax.sgd(1.0)}, labels),
-      lambda tx, labels: optax.masked(jaxmp.mixed_precision(tx),
-                                      {"a": True, "b": False})])
+        {"a": jaxmp.mixed_precision(tx), "b": optax.sgd(1.0)}, labels
+      ),
+      lambda tx, labels: optax.masked(
+        jaxmp.mixed_precision(tx), {"a": True, "b": False}
+      ),
+    ],
+  )
   def test_half_wrapped_multi_transform_is_rejected(self, wrap):
     opt = wrap(optax.sgd(1.0), {"a": "a", "b": "b"})
     params = {"a": jnp.ones(2, jnp.float16), "b": jnp.ones(2, jnp.float16)}
-    with pytest.raises(ValueError, match=r"jaxmp\.mixed_precision\(optax\."
-                       r"multi_transform\(\.\.\.\)\)"):
+    with pytest.raises(
+      ValueError,
+      match=r"jaxmp\.mixed_precision\(optax\."
+      r"multi_transform\(\.\.\.\)\)",
+    ):
       opt.init(params)
 
   def _windows(self, wrapper):
     k = 3
     opt = wrapper(
-        jaxmp.mixed_precision(optax.sgd(1.0), loss_scale=_dynamic(8.0)), k)
+      jaxmp.mixed_precision(optax.sgd(1.0), loss_scale=_dynamic(8.0)), k
+    )
     params = {"w": jnp.ones(2, jnp.float16)}
     state = opt.init(params)
     step = jax.jit(opt.update)
@@ -482,10 +578,13 @@ class TestComposition:
 
 
 class TestAccessorsAndHelpers:
-
   def _state(self):
-    opt = optax.chain(optax.scale(1.0), jaxmp.mixed_precision(
-        optax.sgd(0.1), loss_scale=_dynamic(16.0, floor=2.0)))
+    opt = optax.chain(
+      optax.scale(1.0),
+      jaxmp.mixed_precision(
+        optax.sgd(0.1), loss_scale=_dynamic(16.0, floor=2.0)
+      ),
+    )
     params = {"w": jnp.ones(2, jnp.float16)}
     return opt, params, opt.init(params)
 
@@ -496,7 +595,11 @@ class TestAccessorsAndHelpers:
     assert isinstance(ls, jmp.DynamicLossScale)
     assert float(ls.loss_scale) == 16.0 and float(ls.min_loss_scale) == 2.0
     assert sorted(jaxmp.stats(state)) == [
-        "consecutive_skips", "grads_finite", "loss_scale", "skipped_steps"]
+      "consecutive_skips",
+      "grads_finite",
+      "loss_scale",
+      "skipped_steps",
+    ]
 
   def test_missing_state_is_a_clear_error(self):
     with pytest.raises(ValueError, match="no jaxmp.mixed_precision state"):
@@ -509,40 +612,57 @@ class TestAccessorsAndHelpers:
     for t in range(1, 5):
       _, state = step(bad, state, params)
       jaxmp.check_health(state, t, max_consecutive_skips=5)
-      kept = jaxmp.rollback_if_skipped(state, {"m": jnp.ones(2)},
-                                       {"m": jnp.zeros(2)})
+      kept = jaxmp.rollback_if_skipped(
+        state, {"m": jnp.ones(2)}, {"m": jnp.zeros(2)}
+      )
       assert kept["m"].tolist() == [0.0, 0.0]
     _, state = step(bad, state, params)
-    with pytest.raises(jaxmp.LossScaleCollapseError,
-                       match=r"steps 1\.\.5 \(5 in a row\).*floor 2"):
+    with pytest.raises(
+      jaxmp.LossScaleCollapseError,
+      match=r"steps 1\.\.5 \(5 in a row\).*floor 2",
+    ):
       jaxmp.check_health(state, 5, max_consecutive_skips=5)
     _, state = step({"w": jnp.ones(2, jnp.float16)}, state, params)
     jaxmp.check_health(state, 7, max_consecutive_skips=5)
-    kept = jaxmp.rollback_if_skipped(state, {"m": jnp.ones(2)},
-                                     {"m": jnp.zeros(2)})
+    kept = jaxmp.rollback_if_skipped(
+      state, {"m": jnp.ones(2)}, {"m": jnp.zeros(2)}
+    )
     assert kept["m"].tolist() == [1.0, 1.0]
 
 
 class TestBadInput:
-
-  @pytest.mark.parametrize("kwargs,match", [
+  @pytest.mark.parametrize(
+    "kwargs,match",
+    [
       (dict(loss_scale="dynamic"), "loss_scale must be"),
       (dict(loss_scale=-1.0), "finite and > 0"),
       (dict(loss_scale=_dynamic(floor=0.0)), "min_loss_scale"),
       (dict(hysteresis=0), "hysteresis"),
-      (dict(loss_scale=_dynamic(2.0, floor=4.0), max_loss_scale=2.0),
-       "above max_loss_scale"),
-  ])
+      (
+        dict(loss_scale=_dynamic(2.0, floor=4.0), max_loss_scale=2.0),
+        "above max_loss_scale",
+      ),
+    ],
+  )
   def test_bad_construction(self, kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
       jaxmp.mixed_precision(optax.sgd(0.1), **kwargs)
 
-  @pytest.mark.parametrize("kwargs,match,start", [
-      (dict(loss_scale=_dynamic(2.0**30), max_loss_scale=2.0**20),
-       r"1073741824\.0.*max_loss_scale=1048576\.0", 2.0**20),
-      (dict(loss_scale=_dynamic(0.5, floor=2.0)),
-       r"0\.5.*min_loss_scale=2\.0", 2.0),
-  ])
+  @pytest.mark.parametrize(
+    "kwargs,match,start",
+    [
+      (
+        dict(loss_scale=_dynamic(2.0**30), max_loss_scale=2.0**20),
+        r"1073741824\.0.*max_loss_scale=1048576\.0",
+        2.0**20,
+      ),
+      (
+        dict(loss_scale=_dynamic(0.5, floor=2.0)),
+        r"0\.5.*min_loss_scale=2\.0",
+        2.0,
+      ),
+    ],
+  )
   def test_clamped_initial_scale_warns(self, kwargs, match, start):
     with pytest.warns(UserWarning, match=match):
       opt = jaxmp.mixed_precision(optax.sgd(0.1), **kwargs)
@@ -558,32 +678,44 @@ class TestBadInput:
 
 
 class TestPolicies:
-
-  @pytest.mark.parametrize("spec,param,compute,output", [
+  @pytest.mark.parametrize(
+    "spec,param,compute,output",
+    [
       ("O0", "float32", "float32", "float32"),
       ("O1", "float32", "float16", "float32"),
       ("O2", "float16", "float16", "float32"),
       ("O3", "float16", "float16", "float16"),
       ("bf16", "float32", "bfloat16", "float32"),
-      ("params=float32,compute=float16,output=float32",
-       "float32", "float16", "float32"),
+      (
+        "params=float32,compute=float16,output=float32",
+        "float32",
+        "float16",
+        "float32",
+      ),
       ("p=f16,c=f16,o=f32", "float16", "float16", "float32"),
-  ])
+    ],
+  )
   def test_get_policy(self, spec, param, compute, output):
     policy = jaxmp.get_policy(spec)
     assert isinstance(policy, jmp.Policy)
-    assert [np.dtype(d).name for d in (policy.param_dtype,
-                                       policy.compute_dtype,
-                                       policy.output_dtype)] == [
-                                           param, compute, output]
+    assert [
+      np.dtype(d).name
+      for d in (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+    ] == [param, compute, output]
 
   def test_presets_carry_apex_properties(self):
     o2 = jaxmp.get_preset("O2")
     assert (o2.loss_scale, o2.keep_batchnorm_fp32, o2.master_weights) == (
-        "dynamic", True, True)
+      "dynamic",
+      True,
+      True,
+    )
     o3 = jaxmp.get_preset("O3")
     assert (o3.loss_scale, o3.keep_batchnorm_fp32, o3.master_weights) == (
-        "none", False, False)
+      "none",
+      False,
+      False,
+    )
     custom = jaxmp.get_preset("p=f16,c=f16,o=f32")
     assert custom.master_weights and custom.loss_scale == "dynamic"
     with pytest.raises(Exception):

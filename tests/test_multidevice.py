@@ -17,8 +17,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxmp
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 4,
-                                reason="needs 4 (forced) CPU devices")
+pytestmark = pytest.mark.skipif(
+  jax.device_count() < 4, reason="needs 4 (forced) CPU devices"
+)
 
 
 def _mesh():
@@ -32,7 +33,8 @@ def _dynamic(scale):
 def _specs(state, sharded):
   """``P("data")`` for array leaves when params are sharded, else ``P()``."""
   return jax.tree.map(
-      lambda x: P("data") if sharded and np.ndim(x) else P(), state)
+    lambda x: P("data") if sharded and np.ndim(x) else P(), state
+  )
 
 
 def test_jit_over_sharded_grads_skips_globally():
@@ -53,31 +55,45 @@ def test_jit_over_sharded_grads_skips_globally():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
 def test_shard_map_unreduced_grads_with_axis_name_skip_together(dtype):
   mesh = _mesh()
-  opt = jaxmp.mixed_precision(optax.sgd(1.0), loss_scale=_dynamic(16.0),
-                              axis_name="data")
+  opt = jaxmp.mixed_precision(
+    optax.sgd(1.0), loss_scale=_dynamic(16.0), axis_name="data"
+  )
   params = {"w": jnp.ones(2, dtype)}
   state = opt.init(params)
 
-  @functools.partial(jax.shard_map, mesh=mesh,
-                     in_specs=(P("data"), P(), P()),
-                     out_specs=(P("data"), P()))
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P("data"), P(), P()),
+    out_specs=(P("data"), P()),
+  )
   def step(local_grads, state, params):
     # Per-device gradients that were (wrongly or on purpose) not reduced.
     updates, state = opt.update({"w": local_grads[0]}, state, params)
     new = optax.apply_updates(params, updates)["w"]
     # pmin makes the flag, hence scale and counters, device-invariant: P().
-    return new[None], (state.loss_scale, state.grads_finite,
-                       state.skipped_steps, state.growth_counter)
+    return new[None], (
+      state.loss_scale,
+      state.grads_finite,
+      state.skipped_steps,
+      state.growth_counter,
+    )
 
   local = np.full((4, 2), 16.0, np.float32)
   local[2, 0] = np.nan  # Device 2 only.
   new, (scale, finite, skipped, counter) = jax.jit(step)(
-      jnp.asarray(local, dtype), state, params)
+    jnp.asarray(local, dtype), state, params
+  )
   np.testing.assert_array_equal(new, np.ones((4, 2)))  # all skipped
   assert (float(scale), bool(finite), int(skipped), int(counter)) == (
-      8.0, False, 1, 0)
+    8.0,
+    False,
+    1,
+    0,
+  )
   new, (scale, finite, _, counter) = jax.jit(step)(
-      jnp.full((4, 2), 8.0, dtype), state._replace(loss_scale=scale), params)
+    jnp.full((4, 2), 8.0, dtype), state._replace(loss_scale=scale), params
+  )
   np.testing.assert_array_equal(new, np.zeros((4, 2)))
   assert (float(scale), bool(finite), int(counter)) == (8.0, True, 1)
 
@@ -89,9 +105,12 @@ def test_shard_map_without_axis_name_devices_decide_alone():
   state = opt.init(params)
 
   # A device-varying flag makes the state device-varying: out_specs P("data").
-  @functools.partial(jax.shard_map, mesh=mesh,
-                     in_specs=(P("data"), P(), P()),
-                     out_specs=(P("data"), P("data")))
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P("data"), P(), P()),
+    out_specs=(P("data"), P("data")),
+  )
   def step(local_grads, state, params):
     updates, state = opt.update({"w": local_grads[0]}, state, params)
     new = optax.apply_updates(params, updates)["w"]
@@ -110,18 +129,23 @@ def test_shard_map_without_axis_name_devices_decide_alone():
 @pytest.mark.parametrize("bad", [False, True])
 def test_shard_map_replicated_params_pmeaned_grads(bad):
   mesh = _mesh()
-  opt = jaxmp.mixed_precision(optax.sgd(0.5, momentum=0.9),
-                              loss_scale=_dynamic(4.0), axis_name="data")
+  opt = jaxmp.mixed_precision(
+    optax.sgd(0.5, momentum=0.9), loss_scale=_dynamic(4.0), axis_name="data"
+  )
   params = {"h": jnp.ones(3, jnp.float16), "f": jnp.ones(2, jnp.float32)}
   state = opt.init(params)
   specs = _specs(state, sharded=False)
 
-  @functools.partial(jax.shard_map, mesh=mesh,
-                     in_specs=(P("data"), specs, P()),
-                     out_specs=(P(), specs))
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P("data"), specs, P()),
+    out_specs=(P(), specs),
+  )
   def step(local, state, params):
-    grads = jax.lax.pmean({"h": local[0, :3].astype(jnp.float16),
-                           "f": local[0, 3:]}, "data")
+    grads = jax.lax.pmean(
+      {"h": local[0, :3].astype(jnp.float16), "f": local[0, 3:]}, "data"
+    )
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -139,15 +163,19 @@ def test_shard_map_replicated_params_pmeaned_grads(bad):
 
 def test_shard_map_sharded_params():
   mesh = _mesh()
-  opt = jaxmp.mixed_precision(optax.sgd(0.25, momentum=0.5),
-                              loss_scale=_dynamic(8.0), axis_name="data")
+  opt = jaxmp.mixed_precision(
+    optax.sgd(0.25, momentum=0.5), loss_scale=_dynamic(8.0), axis_name="data"
+  )
   params = {"w": jnp.ones(8, jnp.float16), "f": jnp.ones(4, jnp.float32)}
   state = opt.init(params)
   specs = _specs(state, sharded=True)
 
-  @functools.partial(jax.shard_map, mesh=mesh,
-                     in_specs=(P("data"), specs, P("data")),
-                     out_specs=(P("data"), specs))
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P("data"), specs, P("data")),
+    out_specs=(P("data"), specs),
+  )
   def step(grads, state, params):
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
@@ -166,8 +194,9 @@ def test_shard_map_sharded_params():
 
 
 def test_pmap_with_axis_name_skips_together():
-  opt = jaxmp.mixed_precision(optax.sgd(1.0), loss_scale=_dynamic(16.0),
-                              axis_name="data")
+  opt = jaxmp.mixed_precision(
+    optax.sgd(1.0), loss_scale=_dynamic(16.0), axis_name="data"
+  )
   params = {"w": jnp.ones(2, jnp.float16)}
   state = opt.init(params)
   rep = lambda t: jax.tree.map(lambda x: jnp.stack([x] * 4), t)
@@ -179,7 +208,8 @@ def test_pmap_with_axis_name_skips_together():
   local = np.full((4, 2), 16.0, np.float16)
   local[3, 1] = np.inf
   new, new_state = jax.pmap(step, axis_name="data", devices=jax.devices()[:4])(
-      {"w": jnp.asarray(local)}, rep(state), rep(params))
+    {"w": jnp.asarray(local)}, rep(state), rep(params)
+  )
   np.testing.assert_array_equal(new["w"], np.ones((4, 2)))
   np.testing.assert_array_equal(new_state.loss_scale, [8.0] * 4)
   np.testing.assert_array_equal(new_state.skipped_steps, [1] * 4)

@@ -15,14 +15,14 @@ f16, f32 = jnp.float16, jnp.float32
 
 def _param_count(model, image_shape):
   variables = jax.eval_shape(
-      lambda: model.init(jax.random.key(0), jnp.zeros(image_shape), False)
+    lambda: model.init(jax.random.key(0), jnp.zeros(image_shape), False)
   )
-  return sum(x.size for x in jax.tree.leaves(variables['params']))
+  return sum(x.size for x in jax.tree.leaves(variables["params"]))
 
 
 def _small(**kwargs):
   """Two-stage ResNet (identity and projection blocks): compiles quickly."""
-  kwargs.setdefault('num_filters', 8)
+  kwargs.setdefault("num_filters", 8)
   return resnet.ResNet(stage_sizes=(1, 1), **kwargs)
 
 
@@ -32,20 +32,18 @@ def _init(model, x, seed=0):
   Kernels ~ N(0, 1/fan_in), BatchNorm scale ~ 1 + N(0, 0.1^2), biases ~
   N(0, 0.1^2), batch_stats as initialised.
   """
-  shapes = jax.eval_shape(
-      lambda: model.init(jax.random.key(0), x, train=False)
-  )
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))
   rng = np.random.default_rng(seed)
 
   def fill(path, leaf):
     name = path[-1].key
-    if path[0].key == 'batch_stats':
-      value = np.full(leaf.shape, 0.0 if name == 'mean' else 1.0)
-    elif name == 'kernel':
+    if path[0].key == "batch_stats":
+      value = np.full(leaf.shape, 0.0 if name == "mean" else 1.0)
+    elif name == "kernel":
       fan_in = np.prod(leaf.shape[:-1])
       value = rng.normal(size=leaf.shape) / np.sqrt(fan_in)
     else:
-      value = (name == 'scale') + 0.1 * rng.normal(size=leaf.shape)
+      value = (name == "scale") + 0.1 * rng.normal(size=leaf.shape)
     return jnp.asarray(value, leaf.dtype)
 
   return jax.tree_util.tree_map_with_path(fill, shapes)
@@ -64,17 +62,19 @@ def _train_step_fn(model, loss_scale=1.0):
 
   def loss_fn(params, batch_stats, x, labels):
     logits, updates = model.apply(
-        {'params': params, 'batch_stats': batch_stats}, x, train=True,
-        mutable=['batch_stats'],
+      {"params": params, "batch_stats": batch_stats},
+      x,
+      train=True,
+      mutable=["batch_stats"],
     )
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    return loss.mean() * loss_scale, (logits, updates['batch_stats'])
+    return loss.mean() * loss_scale, (logits, updates["batch_stats"])
 
   @jax.jit
   def step(variables, x, labels):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (loss, (logits, stats)), grads = grad_fn(
-        variables['params'], variables['batch_stats'], x, labels
+      variables["params"], variables["batch_stats"], x, labels
     )
     grads = jax.tree.map(lambda g: g.astype(jnp.float32) / loss_scale, grads)
     return loss, logits, stats, grads
@@ -88,11 +88,10 @@ def _rel_err(a, b):
 
 
 class ParamCountTest(parameterized.TestCase):
-
   @parameterized.named_parameters(
-      ('cifar_10', 'resnet18', 10, 32, 11_173_962),
-      ('torchvision_1000', 'resnet18_torchvision', 1000, 224, 11_689_512),
-      ('torchvision_10', 'resnet18_torchvision', 10, 224, 11_181_642),
+    ("cifar_10", "resnet18", 10, 32, 11_173_962),
+    ("torchvision_1000", "resnet18_torchvision", 1000, 224, 11_689_512),
+    ("torchvision_10", "resnet18_torchvision", 10, 224, 11_181_642),
   )
   def test_param_count(self, name, num_classes, size, expected):
     model = resnet.get_model(name, num_classes=num_classes)
@@ -100,42 +99,43 @@ class ParamCountTest(parameterized.TestCase):
 
   def test_fused_and_plain_have_same_variables(self):
     shapes = [
-        jax.eval_shape(
-            lambda m=m: m.init(jax.random.key(0), _images(), False)
-        )
-        for m in (resnet.resnet18(num_filters=4, fused_norm=fused)
-                  for fused in (True, False))
+      jax.eval_shape(lambda m=m: m.init(jax.random.key(0), _images(), False))
+      for m in (
+        resnet.resnet18(num_filters=4, fused_norm=fused)
+        for fused in (True, False)
+      )
     ]
     self.assertEqual(
-        jax.tree.structure(shapes[0]), jax.tree.structure(shapes[1])
+      jax.tree.structure(shapes[0]), jax.tree.structure(shapes[1])
     )
 
   def test_torchvision_layer_names(self):
     model = resnet.resnet18_torchvision(num_filters=4)
     variables = jax.eval_shape(
-        lambda: model.init(jax.random.key(0), _images((1, 32, 32, 3)), False)
+      lambda: model.init(jax.random.key(0), _images((1, 32, 32, 3)), False)
     )
-    params = variables['params']
+    params = variables["params"]
     self.assertEqual(
-        set(params),
-        {'conv1', 'bn1', 'fc'} | {f'layer{i}_{j}' for i in range(1, 5)
-                                  for j in range(2)},
+      set(params),
+      {"conv1", "bn1", "fc"}
+      | {f"layer{i}_{j}" for i in range(1, 5) for j in range(2)},
     )
-    self.assertIn('downsample_conv', params['layer2_0'])
-    self.assertNotIn('downsample_conv', params['layer1_0'])
-    self.assertEqual(params['conv1']['kernel'].shape, (7, 7, 3, 4))
-    self.assertEqual(set(variables['batch_stats']['bn1']), {'mean', 'var'})
+    self.assertIn("downsample_conv", params["layer2_0"])
+    self.assertNotIn("downsample_conv", params["layer1_0"])
+    self.assertEqual(params["conv1"]["kernel"].shape, (7, 7, 3, 4))
+    self.assertEqual(set(variables["batch_stats"]["bn1"]), {"mean", "var"})
 
 
 class ResNetTest(parameterized.TestCase):
-
-  @parameterized.product(stem=('cifar', 'imagenet'), dtype=(f32, f16))
+  @parameterized.product(stem=("cifar", "imagenet"), dtype=(f32, f16))
   def test_output_shape_and_dtype(self, stem, dtype):
     model = _small(num_filters=4, num_classes=7, stem=stem, dtype=dtype)
     x = _images((4, 16, 16, 3))
     variables = _init(model, x)
-    apply = jax.jit(functools.partial(model.apply, mutable=['batch_stats']),
-                    static_argnames='train')
+    apply = jax.jit(
+      functools.partial(model.apply, mutable=["batch_stats"]),
+      static_argnames="train",
+    )
     for train in (True, False):
       out = apply(variables, x, train=train)[0]
       self.assertEqual(out.shape, (4, 7))
@@ -143,21 +143,22 @@ class ResNetTest(parameterized.TestCase):
 
   def test_o2_dtypes(self):
     model = resnet.resnet18(
-        num_filters=4, dtype=f16, param_dtype=f16, norm_dtype=f32
+      num_filters=4, dtype=f16, param_dtype=f16, norm_dtype=f32
     )
     variables = jax.eval_shape(
-        lambda: model.init(jax.random.key(0), _images(), train=False)
+      lambda: model.init(jax.random.key(0), _images(), train=False)
     )
     flat = jax.tree_util.tree_flatten_with_path(variables)[0]
     for path, leaf in flat:
       keys = [k.key for k in path]
-      is_norm = keys[0] == 'batch_stats' or any('bn' in k for k in keys)
-      with self.subTest('/'.join(keys)):
+      is_norm = keys[0] == "batch_stats" or any("bn" in k for k in keys)
+      with self.subTest("/".join(keys)):
         self.assertEqual(leaf.dtype, f32 if is_norm else f16)
     logits = jax.eval_shape(
-        lambda v: model.apply(v, _images(), train=True,
-                              mutable=['batch_stats'])[0],
-        variables,
+      lambda v: model.apply(v, _images(), train=True, mutable=["batch_stats"])[
+        0
+      ],
+      variables,
     )
     self.assertEqual(logits.dtype, f32)
 
@@ -168,28 +169,32 @@ class ResNetTest(parameterized.TestCase):
     x = _images()
     variables = _init(model, x)
     loss, _, stats, grads = _train_step_fn(model)(
-        variables, x, jnp.arange(4) % 10
+      variables, x, jnp.arange(4) % 10
     )
     self.assertTrue(np.isfinite(loss))
     self.assertEqual(
-        jax.tree.structure(stats),
-        jax.tree.structure(variables['batch_stats']),
+      jax.tree.structure(stats),
+      jax.tree.structure(variables["batch_stats"]),
     )
     self.assertFalse(  # Running statistics moved.
-        np.allclose(stats['bn1']['mean'], variables['batch_stats']['bn1']['mean'])
+      np.allclose(stats["bn1"]["mean"], variables["batch_stats"]["bn1"]["mean"])
     )
     self.assertEqual(
-        jax.tree.structure(grads), jax.tree.structure(variables['params'])
+      jax.tree.structure(grads), jax.tree.structure(variables["params"])
     )
 
   @parameterized.named_parameters(
-      ('fp32', dict(), 1e-5, 1e-4),
-      # float16 convs and activations: the fused path adds the residual in
-      # float32 before rounding, plain flax in float16. Measured ~2e-3.
-      ('o1', dict(dtype=f16), 1e-2, 1e-2),
-      ('o2', dict(dtype=f16, param_dtype=f16), 1e-2, 1e-2),
-      ('unbiased_var_imagenet', dict(unbiased_running_var=True,
-                                     stem='imagenet'), 1e-5, 1e-4),
+    ("fp32", dict(), 1e-5, 1e-4),
+    # float16 convs and activations: the fused path adds the residual in
+    # float32 before rounding, plain flax in float16. Measured ~2e-3.
+    ("o1", dict(dtype=f16), 1e-2, 1e-2),
+    ("o2", dict(dtype=f16, param_dtype=f16), 1e-2, 1e-2),
+    (
+      "unbiased_var_imagenet",
+      dict(unbiased_running_var=True, stem="imagenet"),
+      1e-5,
+      1e-4,
+    ),
   )
   def test_fused_matches_plain_train(self, kwargs, fwd_tol, grad_tol):
     x = _images()
@@ -201,17 +206,17 @@ class ResNetTest(parameterized.TestCase):
     out_p = _train_step_fn(plain, 1024.0)(variables, x, labels)
     self.assertLess(_rel_err(out_f[1], out_p[1]), fwd_tol)  # logits
     for (path, a), b in zip(
-        jax.tree_util.tree_flatten_with_path(out_f[2])[0],
-        jax.tree.leaves(out_p[2]),
+      jax.tree_util.tree_flatten_with_path(out_f[2])[0],
+      jax.tree.leaves(out_p[2]),
     ):  # batch_stats updates
-      with self.subTest(f'stats{jax.tree_util.keystr(path)}'):
+      with self.subTest(f"stats{jax.tree_util.keystr(path)}"):
         self.assertEqual(a.dtype, b.dtype)
         self.assertLess(_rel_err(a, b), fwd_tol)
     for (path, a), b in zip(
-        jax.tree_util.tree_flatten_with_path(out_f[3])[0],
-        jax.tree.leaves(out_p[3]),
+      jax.tree_util.tree_flatten_with_path(out_f[3])[0],
+      jax.tree.leaves(out_p[3]),
     ):  # gradients
-      with self.subTest(f'grad{jax.tree_util.keystr(path)}'):
+      with self.subTest(f"grad{jax.tree_util.keystr(path)}"):
         self.assertLess(_rel_err(a, b), grad_tol)
 
   def test_unbiased_running_var(self):
@@ -228,8 +233,8 @@ class ResNetTest(parameterized.TestCase):
     # is n / (n - 1), n = 4 images * 8 * 8 pixels for the stem's bn1.
     n = 4 * 8 * 8
     np.testing.assert_allclose(
-        stats[1]['bn1']['var'], stats[0]['bn1']['var'] * n / (n - 1),
-        rtol=1e-6)
+      stats[1]["bn1"]["var"], stats[0]["bn1"]["var"] * n / (n - 1), rtol=1e-6
+    )
 
   def test_fused_matches_plain_eval(self):
     x = _images()
@@ -238,40 +243,46 @@ class ResNetTest(parameterized.TestCase):
     variables = _init(fused, x)
     # Non-trivial running statistics.
     variables = {
-        'params': variables['params'],
-        'batch_stats': _train_step_fn(fused)(variables, x, jnp.zeros(4, int))[2],
+      "params": variables["params"],
+      "batch_stats": _train_step_fn(fused)(variables, x, jnp.zeros(4, int))[2],
     }
     np.testing.assert_allclose(
-        jax.jit(functools.partial(fused.apply, train=False))(variables, x),
-        jax.jit(functools.partial(plain.apply, train=False))(variables, x),
-        rtol=1e-5, atol=1e-5,
+      jax.jit(functools.partial(fused.apply, train=False))(variables, x),
+      jax.jit(functools.partial(plain.apply, train=False))(variables, x),
+      rtol=1e-5,
+      atol=1e-5,
     )
 
   def test_torchvision_init_statistics(self):
     model = resnet.ResNet(
-        stage_sizes=(1,), num_filters=32, num_classes=10, stem='imagenet',
-        init_scheme='torchvision',
+      stage_sizes=(1,),
+      num_filters=32,
+      num_classes=10,
+      stem="imagenet",
+      init_scheme="torchvision",
     )
     init = jax.jit(functools.partial(model.init, train=False))
-    params = init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))['params']
-    conv = params['layer1_0']['conv1']['kernel']  # 3x3x32x32, fan_out 288
+    params = init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    conv = params["layer1_0"]["conv1"]["kernel"]  # 3x3x32x32, fan_out 288
     np.testing.assert_allclose(np.std(conv), np.sqrt(2 / 288), rtol=0.05)
-    self.assertGreater(np.max(np.abs(conv)), 3 * np.sqrt(2 / 288))  # Untruncated.
+    self.assertGreater(
+      np.max(np.abs(conv)), 3 * np.sqrt(2 / 288)
+    )  # Untruncated.
     bound = 1 / np.sqrt(32)
-    for leaf in (params['fc']['kernel'], params['fc']['bias']):
+    for leaf in (params["fc"]["kernel"], params["fc"]["bias"]):
       self.assertLessEqual(np.max(np.abs(leaf)), bound)
       self.assertGreater(np.max(np.abs(leaf)), 0.5 * bound)
-    np.testing.assert_array_equal(params['bn1']['scale'], 1.0)
-    np.testing.assert_array_equal(params['bn1']['bias'], 0.0)
+    np.testing.assert_array_equal(params["bn1"]["scale"], 1.0)
+    np.testing.assert_array_equal(params["bn1"]["bias"], 0.0)
 
   def test_get_model_bad_name(self):
     with self.assertRaisesRegex(ValueError, "'resnet19'.*resnet18"):
-      resnet.get_model('resnet19')
+      resnet.get_model("resnet19")
 
   def test_get_model_partials(self):
-    model = resnet.get_model('resnet18_torchvision', num_classes=3)
-    self.assertEqual(model.stem, 'imagenet')
-    self.assertEqual(model.init_scheme, 'torchvision')
+    model = resnet.get_model("resnet18_torchvision", num_classes=3)
+    self.assertEqual(model.stem, "imagenet")
+    self.assertEqual(model.init_scheme, "torchvision")
     self.assertEqual(tuple(model.stage_sizes), (2, 2, 2, 2))
     self.assertEqual(model.num_classes, 3)
 

@@ -15,35 +15,49 @@ def test_configs_resolve_and_say_how_to_run(module):
   s = settings.resolve(module.get_config())
   assert isinstance(s, settings.Settings)
   assert module.__doc__ and "python train.py --config configs/" in (
-      module.__doc__)
+    module.__doc__
+  )
 
 
 def test_every_config_key_becomes_a_setting():
   config = default.get_config()
   fields = set(settings.Settings.__dataclass_fields__)
-  precision_keys = {"policy", "init_loss_scale", "loss_scale_period",
-                    "loss_scale_factor", "min_loss_scale", "max_loss_scale",
-                    "loss_scale_hysteresis"}
+  precision_keys = {
+    "policy",
+    "init_loss_scale",
+    "loss_scale_period",
+    "loss_scale_factor",
+    "min_loss_scale",
+    "max_loss_scale",
+    "loss_scale_hysteresis",
+  }
   assert set(config.keys()) - precision_keys == fields - {"precision"}
 
 
 def test_seed_config_is_the_apex_script():
   c = seed.get_config()
-  assert (c.model, c.policy, c.learning_rate, c.momentum, c.batch_size,
-          c.num_epochs, tuple(c.mean), tuple(c.std)) == (
-              "resnet18_torchvision", "O1", 0.1, 0.9, 128, 10, (0.5,) * 3,
-              (0.5,) * 3)
+  assert (
+    c.model,
+    c.policy,
+    c.learning_rate,
+    c.momentum,
+    c.batch_size,
+    c.num_epochs,
+    tuple(c.mean),
+    tuple(c.std),
+  ) == ("resnet18_torchvision", "O1", 0.1, 0.9, 128, 10, (0.5,) * 3, (0.5,) * 3)
 
 
-@pytest.mark.parametrize("policy,param,compute,norm,scale_type,masters", [
+@pytest.mark.parametrize(
+  "policy,param,compute,norm,scale_type,masters",
+  [
     ("O0", jnp.float32, jnp.float32, jnp.float32, None, False),
-    ("O1", jnp.float32, jnp.float16, jnp.float32, jmp.DynamicLossScale,
-     False),
-    ("O2", jnp.float16, jnp.float16, jnp.float32, jmp.DynamicLossScale,
-     True),
+    ("O1", jnp.float32, jnp.float16, jnp.float32, jmp.DynamicLossScale, False),
+    ("O2", jnp.float16, jnp.float16, jnp.float32, jmp.DynamicLossScale, True),
     ("O3", jnp.float16, jnp.float16, jnp.float16, None, False),
     ("bf16", jnp.float32, jnp.bfloat16, jnp.float32, None, False),
-])
+  ],
+)
 def test_precision_record(policy, param, compute, norm, scale_type, masters):
   config = default.get_config()
   config.policy = policy
@@ -51,7 +65,11 @@ def test_precision_record(policy, param, compute, norm, scale_type, masters):
   config.loss_scale_period = 7
   p = settings.resolve(config).precision
   assert (p.param_dtype, p.compute_dtype, p.norm_dtype, p.master_weights) == (
-      param, compute, norm, masters)
+    param,
+    compute,
+    norm,
+    masters,
+  )
   if scale_type is jmp.DynamicLossScale:
     assert isinstance(p.loss_scale, jmp.DynamicLossScale)
     assert float(p.loss_scale.loss_scale) == 2.0**10
@@ -61,7 +79,9 @@ def test_precision_record(policy, param, compute, norm, scale_type, masters):
     assert float(np.asarray(p.loss_scale.loss_scale)) == 1.0
 
 
-@pytest.mark.parametrize("override,match", [
+@pytest.mark.parametrize(
+  "override,match",
+  [
     ({"model": "resnet50"}, "unknown model 'resnet50'.*resnet18"),
     ({"policy": "O7"}, "unknown policy 'O7'.*O0, O1"),
     ({"dataset": "mnist"}, "unknown dataset 'mnist'.*cifar10"),
@@ -69,10 +89,13 @@ def test_precision_record(policy, param, compute, norm, scale_type, masters):
     ({"batch_size": 0}, "batch_size must be >= 1, got 0"),
     ({"num_devices": -1}, "num_devices must be >= 0"),
     ({"dataset": "image_folder", "data_dir": ""}, "needs --config.data_dir"),
-    ({"dataset": "image_folder", "data_dir": "/nonexistent/x"},
-     "'/nonexistent/x' does not exist"),
+    (
+      {"dataset": "image_folder", "data_dir": "/nonexistent/x"},
+      "'/nonexistent/x' does not exist",
+    ),
     ({"mean": (0.5, 0.5)}, "mean and std must have 3 values"),
-])
+  ],
+)
 def test_bad_values_name_the_key(override, match):
   config = default.get_config()
   for key, value in override.items():

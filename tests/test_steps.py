@@ -12,10 +12,12 @@ from cifar_train import steps
 
 def _setup(make_config, data_dir, **overrides):
   s = settings.resolve(make_config(data_dir, **overrides))
-  model = steps.create_model(s.model, num_classes=10,
-                             num_filters=s.num_filters, precision=s.precision)
-  optimizer = steps.create_optimizer(s.precision, 0.05, momentum=0.9,
-                                     weight_decay=5e-4)
+  model = steps.create_model(
+    s.model, num_classes=10, num_filters=s.num_filters, precision=s.precision
+  )
+  optimizer = steps.create_optimizer(
+    s.precision, 0.05, momentum=0.9, weight_decay=5e-4
+  )
   state = steps.create_train_state(model, optimizer, (16, 16, 3), seed=0)
   return s, model, optimizer, state
 
@@ -24,17 +26,20 @@ def _setup(make_config, data_dir, **overrides):
 def test_one_train_step_per_policy(policy, make_config, data_dir):
   # 2**15 overflows the fp16 gradients of this tiny net on its first step,
   # which dynamic scaling would then handle by skipping; start lower here.
-  s, model, optimizer, state = _setup(make_config, data_dir, policy=policy,
-                                      init_loss_scale=2.0**8)
+  s, model, optimizer, state = _setup(
+    make_config, data_dir, policy=policy, init_loss_scale=2.0**8
+  )
   p = s.precision
   kernel = state.params["conv1"]["kernel"]
   assert kernel.dtype == p.param_dtype
   # Running statistics always stay fp32; BatchNorm params follow the preset.
   assert {x.dtype for x in jax.tree.leaves(state.batch_stats)} == {
-      jnp.dtype(jnp.float32)}
+    jnp.dtype(jnp.float32)
+  }
   assert state.params["bn1"]["scale"].dtype == p.norm_dtype
-  step = jax.jit(steps.make_train_step(model, optimizer,
-                                       compute_dtype=p.compute_dtype))
+  step = jax.jit(
+    steps.make_train_step(model, optimizer, compute_dtype=p.compute_dtype)
+  )
   rng = np.random.default_rng(0)
   images = jnp.asarray(rng.standard_normal((4, 16, 16, 3)), jnp.float32)
   labels = jnp.asarray([0, 1, 2, 3])
@@ -42,42 +47,56 @@ def test_one_train_step_per_policy(policy, make_config, data_dir):
   assert int(new.step) == 1 and int(metrics["count"]) == 4
   assert np.isfinite(float(metrics["last_loss"]))
   assert bool(jaxmp.stats(new.opt_state)["grads_finite"])
-  changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), state.params,
-                         new.params)
+  changed = jax.tree.map(
+    lambda a, b: bool(jnp.any(a != b)), state.params, new.params
+  )
   assert all(jax.tree.leaves(changed))
   if p.master_weights:
     masters = jaxmp.master_params(new.opt_state, new.params)
     np.testing.assert_array_equal(
-        masters["conv1"]["kernel"].astype(kernel.dtype),
-        new.params["conv1"]["kernel"])
+      masters["conv1"]["kernel"].astype(kernel.dtype),
+      new.params["conv1"]["kernel"],
+    )
   # NaN in the data: the step is skipped and BatchNorm stats roll back.
-  bad, _ = step(new, images.at[0, 0, 0, 0].set(jnp.nan), labels,
-                steps.zero_metrics())
+  bad, _ = step(
+    new, images.at[0, 0, 0, 0].set(jnp.nan), labels, steps.zero_metrics()
+  )
   assert not bool(jaxmp.stats(bad.opt_state)["grads_finite"])
-  for a, b in zip(jax.tree.leaves((new.params, new.batch_stats)),
-                  jax.tree.leaves((bad.params, bad.batch_stats))):
+  for a, b in zip(
+    jax.tree.leaves((new.params, new.batch_stats)),
+    jax.tree.leaves((bad.params, bad.batch_stats)),
+  ):
     np.testing.assert_array_equal(a, b)
 
 
-def test_state_fingerprint_sees_every_part_of_the_state(make_config,
-                                                        data_dir):
+def test_state_fingerprint_sees_every_part_of_the_state(make_config, data_dir):
   _, _, _, state = _setup(make_config, data_dir, policy="O2")
   ref = steps.state_fingerprint(state)
   assert steps.state_fingerprint(state) == ref
   mp_state = jaxmp.find_state(state.opt_state)
   changes = {
-      "step": state.replace(step=state.step + 1),
-      "batch_stats": state.replace(batch_stats=jax.tree.map(
-          lambda x: x.at[0].add(1e-7), state.batch_stats)),
-      "rng": state.replace(rng=state.rng ^ 1),
-      "loss_scale": state.replace(opt_state=mp_state._replace(
-          loss_scale=mp_state.loss_scale * 2)),
-      "skips": state.replace(opt_state=mp_state._replace(
-          skipped_steps=mp_state.skipped_steps + 1)),
-      # -0.0 == 0.0, but not in bits.
-      "signed zero": state.replace(params=jax.tree.map(
-          lambda x: jnp.where(x == 0, -0.0, x).astype(x.dtype) if x.ndim == 1
-          and x.dtype == jnp.float32 else x, state.params)),
+    "step": state.replace(step=state.step + 1),
+    "batch_stats": state.replace(
+      batch_stats=jax.tree.map(lambda x: x.at[0].add(1e-7), state.batch_stats)
+    ),
+    "rng": state.replace(rng=state.rng ^ 1),
+    "loss_scale": state.replace(
+      opt_state=mp_state._replace(loss_scale=mp_state.loss_scale * 2)
+    ),
+    "skips": state.replace(
+      opt_state=mp_state._replace(skipped_steps=mp_state.skipped_steps + 1)
+    ),
+    # -0.0 == 0.0, but not in bits.
+    "signed zero": state.replace(
+      params=jax.tree.map(
+        lambda x: (
+          jnp.where(x == 0, -0.0, x).astype(x.dtype)
+          if x.ndim == 1 and x.dtype == jnp.float32
+          else x
+        ),
+        state.params,
+      )
+    ),
   }
   for name, changed in changes.items():
     assert steps.state_fingerprint(changed) != ref, name

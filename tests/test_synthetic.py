@@ -14,7 +14,8 @@ SYNTHETIC_EXAMPLES = (120, 40)  # (train, test)
 
 def read_synthetic(tfds_root: str, split: str):
   source = data_sources.builder(
-      "synthetic", tfds_root, synthetic_examples=SYNTHETIC_EXAMPLES)
+    "synthetic", tfds_root, synthetic_examples=SYNTHETIC_EXAMPLES
+  )
   return data_sources.read_split(source, split)
 
 
@@ -25,8 +26,11 @@ def tfds_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def synthetic_splits(tfds_dir):
-  return (tfds_dir, read_synthetic(tfds_dir, "train"),
-          read_synthetic(tfds_dir, "test"))
+  return (
+    tfds_dir,
+    read_synthetic(tfds_dir, "train"),
+    read_synthetic(tfds_dir, "test"),
+  )
 
 
 def test_synthetic_split_shapes_and_classes(synthetic_splits):
@@ -35,9 +39,12 @@ def test_synthetic_split_shapes_and_classes(synthetic_splits):
   assert xt.shape == (40, 32, 32, 3)
   assert y.dtype == np.int32 and set(y.tolist()) == set(range(10))
   assert np.bincount(y).tolist() == [12] * 10
-  assert data_sources.load(
-      "synthetic", tfds_root,
-      synthetic_examples=SYNTHETIC_EXAMPLES).num_classes == 10
+  assert (
+    data_sources.load(
+      "synthetic", tfds_root, synthetic_examples=SYNTHETIC_EXAMPLES
+    ).num_classes
+    == 10
+  )
   assert x.std() > 20  # Not blank images.
 
 
@@ -60,6 +67,5 @@ def test_synthetic_sizes_in_config_name():
 
 def test_synthetic_png_roundtrip():
   image = np.random.default_rng(0).integers(0, 256, (32, 32, 3), np.uint8)
-  decoded = np.asarray(PIL.Image.open(
-      io.BytesIO(synthetic._encode_png(image))))
+  decoded = np.asarray(PIL.Image.open(io.BytesIO(synthetic._encode_png(image))))
   np.testing.assert_array_equal(decoded, image)

@@ -40,18 +40,21 @@ def find_state(opt_state: Any) -> mp.MixedPrecisionState:
     ValueError: when there is none or more than one.
   """
   is_mp = lambda x: isinstance(x, mp.MixedPrecisionState)
-  found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_mp)
-           if is_mp(x)]
+  found = [
+    x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_mp) if is_mp(x)
+  ]
   if not found:
     raise ValueError(
-        "no jaxmp.mixed_precision state found in opt_state "
-        f"(a {type(opt_state).__name__}); build the optimizer with "
-        "jaxmp.mixed_precision(...) and pass the state it initialised")
+      "no jaxmp.mixed_precision state found in opt_state "
+      f"(a {type(opt_state).__name__}); build the optimizer with "
+      "jaxmp.mixed_precision(...) and pass the state it initialised"
+    )
   if len(found) > 1:
     raise ValueError(
-        f"found {len(found)} jaxmp.mixed_precision states in opt_state; use "
-        "one mixed_precision around the whole optimizer (wrap multi_transform "
-        "inside it, not the other way round)")
+      f"found {len(found)} jaxmp.mixed_precision states in opt_state; use "
+      "one mixed_precision around the whole optimizer (wrap multi_transform "
+      "inside it, not the other way round)"
+    )
   return found[0]
 
 
@@ -90,11 +93,12 @@ def loss_scale(opt_state: Any) -> mp.LossScale:
   if cfg.kind == "static":
     return jmp.StaticLossScale(state.loss_scale)
   return jmp.DynamicLossScale(
-      loss_scale=state.loss_scale,
-      counter=state.growth_counter,
-      period=cfg.period,
-      factor=cfg.factor,
-      min_loss_scale=np.float32(cfg.min_loss_scale))
+    loss_scale=state.loss_scale,
+    counter=state.growth_counter,
+    period=cfg.period,
+    factor=cfg.factor,
+    min_loss_scale=np.float32(cfg.min_loss_scale),
+  )
 
 
 def master_params(opt_state: Any, params: Optional[Any] = None) -> Any:
@@ -116,14 +120,19 @@ def master_params(opt_state: Any, params: Optional[Any] = None) -> Any:
   """
   masters = find_state(opt_state).master_params
   if params is None:
-    missing = [jax.tree_util.keystr(path) for path, m in
-               jax.tree_util.tree_leaves_with_path(
-                   masters, is_leaf=lambda x: x is None) if m is None]
+    missing = [
+      jax.tree_util.keystr(path)
+      for path, m in jax.tree_util.tree_leaves_with_path(
+        masters, is_leaf=lambda x: x is None
+      )
+      if m is None
+    ]
     if missing:
       raise ValueError(
-          f"{len(missing)} param(s) have no master in the state because they "
-          f"are fp32 already (first: {missing[0]}); call "
-          "jaxmp.master_params(opt_state, params)")
+        f"{len(missing)} param(s) have no master in the state because they "
+        f"are fp32 already (first: {missing[0]}); call "
+        "jaxmp.master_params(opt_state, params)"
+      )
     return masters
   return mp._full_precision(params, masters)  # pylint: disable=protected-access
 
@@ -140,10 +149,10 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
   """
   state = find_state(opt_state)
   return {
-      "loss_scale": state.loss_scale,
-      "grads_finite": state.grads_finite,
-      "skipped_steps": state.skipped_steps,
-      "consecutive_skips": state.consecutive_skips,
+    "loss_scale": state.loss_scale,
+    "grads_finite": state.grads_finite,
+    "skipped_steps": state.skipped_steps,
+    "consecutive_skips": state.consecutive_skips,
   }
 
 
@@ -173,8 +182,9 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
   return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
-def check_health(opt_state: Any, step: int,
-                 max_consecutive_skips: int = 100) -> None:
+def check_health(
+  opt_state: Any, step: int, max_consecutive_skips: int = 100
+) -> None:
   """Raises when the loss scale has collapsed: a host-side check for loops.
 
   Call it on log steps (it fetches three scalars from the device). A collapse
@@ -191,13 +201,16 @@ def check_health(opt_state: Any, step: int,
     LossScaleCollapseError: naming the step range and the scale.
   """
   state = find_state(opt_state)
-  skips, scale = int(_host(state.consecutive_skips)), float(
-      _host(state.loss_scale))
+  skips, scale = (
+    int(_host(state.consecutive_skips)),
+    float(_host(state.loss_scale)),
+  )
   cfg = state.config
   at_floor = cfg.kind != "dynamic" or scale <= cfg.min_loss_scale
   if skips >= max_consecutive_skips and at_floor:
     raise LossScaleCollapseError(
-        f"loss scale collapsed: steps {step - skips + 1}..{step} "
-        f"({skips} in a row) had non-finite gradients and were skipped, with "
-        f"the loss scale at its floor {scale:g}; check the input data for "
-        "NaN/inf and the learning rate")
+      f"loss scale collapsed: steps {step - skips + 1}..{step} "
+      f"({skips} in a row) had non-finite gradients and were skipped, with "
+      f"the loss scale at its floor {scale:g}; check the input data for "
+      "NaN/inf and the learning rate"
+    )

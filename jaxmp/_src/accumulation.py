@@ -15,9 +15,9 @@ import optax
 
 
 def multi_steps(
-    opt: optax.GradientTransformation,
-    every_k_schedule: Union[int, Callable[[jax.Array], jax.Array]],
-    **kwargs: Any,
+  opt: optax.GradientTransformation,
+  every_k_schedule: Union[int, Callable[[jax.Array], jax.Array]],
+  **kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """`optax.MultiSteps` that recovers after an overflowed window.
 
@@ -41,8 +41,9 @@ def multi_steps(
   def update_fn(updates, state, params=None, **extra_args):
     updates, state = inner.update(updates, state, params, **extra_args)
     clear = state.mini_step == 0
-    acc = jax.tree.map(lambda a: jnp.where(clear, jnp.zeros_like(a), a),
-                       state.acc_grads)
+    acc = jax.tree.map(
+      lambda a: jnp.where(clear, jnp.zeros_like(a), a), state.acc_grads
+    )
     return updates, state._replace(acc_grads=acc)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)

@@ -25,36 +25,54 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-_NHWC = ('NHWC', 'HWIO', 'NHWC')
+_NHWC = ("NHWC", "HWIO", "NHWC")
 # Above this many rows of the contraction per kernel element, the taps are
 # split into independent batched products, which XLA:CPU runs in parallel.
 _GROUP_ROWS = 16
 
 
-def conv_general_dilated(lhs, rhs, window_strides, padding,
-                         lhs_dilation=None, rhs_dilation=None,
-                         dimension_numbers=None, feature_group_count=1,
-                         batch_group_count=1, precision=None,
-                         preferred_element_type=None):
+def conv_general_dilated(
+  lhs,
+  rhs,
+  window_strides,
+  padding,
+  lhs_dilation=None,
+  rhs_dilation=None,
+  dimension_numbers=None,
+  feature_group_count=1,
+  batch_group_count=1,
+  precision=None,
+  preferred_element_type=None,
+):
   """``lax.conv_general_dilated`` with a matmul kernel gradient on CPU."""
   covered = (
-      lhs.ndim == 4
-      and _is_nhwc(lhs, rhs, dimension_numbers)
-      and not isinstance(padding, str)
-      and all(d == 1 for d in (lhs_dilation or (1, 1)))
-      and all(d == 1 for d in (rhs_dilation or (1, 1)))
-      and feature_group_count == 1
-      and batch_group_count == 1
-      and preferred_element_type is None
+    lhs.ndim == 4
+    and _is_nhwc(lhs, rhs, dimension_numbers)
+    and not isinstance(padding, str)
+    and all(d == 1 for d in (lhs_dilation or (1, 1)))
+    and all(d == 1 for d in (rhs_dilation or (1, 1)))
+    and feature_group_count == 1
+    and batch_group_count == 1
+    and preferred_element_type is None
   )
   if not covered:
     return lax.conv_general_dilated(
-        lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
-        dimension_numbers, feature_group_count, batch_group_count, precision,
-        preferred_element_type)
+      lhs,
+      rhs,
+      window_strides,
+      padding,
+      lhs_dilation,
+      rhs_dilation,
+      dimension_numbers,
+      feature_group_count,
+      batch_group_count,
+      precision,
+      preferred_element_type,
+    )
   padding = tuple((int(lo), int(hi)) for lo, hi in padding)
-  return _conv(lhs, rhs, tuple(int(s) for s in window_strides), padding,
-               precision)
+  return _conv(
+    lhs, rhs, tuple(int(s) for s in window_strides), padding, precision
+  )
 
 
 def _is_nhwc(lhs, rhs, dimension_numbers) -> bool:
@@ -65,9 +83,9 @@ def _is_nhwc(lhs, rhs, dimension_numbers) -> bool:
 
 
 def _lax_conv(lhs, rhs, strides, padding, precision):
-  return lax.conv_general_dilated(lhs, rhs, strides, padding,
-                                  dimension_numbers=_NHWC,
-                                  precision=precision)
+  return lax.conv_general_dilated(
+    lhs, rhs, strides, padding, dimension_numbers=_NHWC, precision=precision
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -82,17 +100,18 @@ def _conv_fwd(lhs, rhs, strides, padding, precision):
 def _conv_bwd(strides, padding, precision, residuals, dy):
   lhs, rhs = residuals
   _, lhs_vjp = jax.vjp(
-      lambda x: _lax_conv(x, rhs, strides, padding, precision), lhs)
+    lambda x: _lax_conv(x, rhs, strides, padding, precision), lhs
+  )
   (dx,) = lhs_vjp(dy)
 
   def lax_kernel_grad():
     _, rhs_vjp = jax.vjp(
-        lambda w: _lax_conv(lhs, w, strides, padding, precision), rhs)
+      lambda w: _lax_conv(lhs, w, strides, padding, precision), rhs
+    )
     return rhs_vjp(dy)[0]
 
   def taps_kernel_grad():
-    grad = kernel_grad_by_taps(lhs, dy, rhs.shape, strides, padding,
-                               precision)
+    grad = kernel_grad_by_taps(lhs, dy, rhs.shape, strides, padding, precision)
     return grad.astype(rhs.dtype)
 
   dw = lax.platform_dependent(cpu=taps_kernel_grad, default=lax_kernel_grad)
@@ -102,11 +121,14 @@ def _conv_bwd(strides, padding, precision, residuals, dy):
 _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
-def kernel_grad_by_taps(lhs: jax.Array, dy: jax.Array,
-                        kernel_shape: Sequence[int], strides: Sequence[int],
-                        padding: Sequence[tuple[int, int]],
-                        precision: Optional[lax.Precision] = None
-                        ) -> jax.Array:
+def kernel_grad_by_taps(
+  lhs: jax.Array,
+  dy: jax.Array,
+  kernel_shape: Sequence[int],
+  strides: Sequence[int],
+  padding: Sequence[tuple[int, int]],
+  precision: Optional[lax.Precision] = None,
+) -> jax.Array:
   """The kernel gradient of an NHWC/HWIO convolution, one matmul per tap.
 
   Args:
@@ -130,13 +152,21 @@ def kernel_grad_by_taps(lhs: jax.Array, dy: jax.Array,
   taps = []
   for i in range(kh):
     for j in range(kw):
-      window = lax.slice(x, (0, i, j, 0),
-                         (n, i + sh * (ho - 1) + 1, j + sw * (wo - 1) + 1, c),
-                         (1, sh, sw, 1))
+      window = lax.slice(
+        x,
+        (0, i, j, 0),
+        (n, i + sh * (ho - 1) + 1, j + sw * (wo - 1) + 1, c),
+        (1, sh, sw, 1),
+      )
       window = window.reshape(groups, rows // groups, c)
       # Batched over the groups, then summed: independent products that
       # XLA:CPU spreads over its threads (one long contraction it does not).
-      tap = jnp.einsum('grc,gro->gco', window, dy, precision=precision,
-                       preferred_element_type=jnp.float32)
+      tap = jnp.einsum(
+        "grc,gro->gco",
+        window,
+        dy,
+        precision=precision,
+        preferred_element_type=jnp.float32,
+      )
       taps.append(tap.sum(0))
   return jnp.stack(taps).reshape(kh, kw, c, o)

@@ -47,7 +47,7 @@ def _stat_dtype(*dtypes: Dtype) -> Dtype:
 
 
 def _moments(
-    xf: jax.Array, axis_name: Optional[str]
+  xf: jax.Array, axis_name: Optional[str]
 ) -> tuple[jax.Array, jax.Array]:
   """Per-channel mean and biased variance, as ``nn.BatchNorm`` computes them.
 
@@ -65,9 +65,9 @@ def _moments(
 def _vma(x) -> frozenset:
   """Mesh axes along which ``x`` varies (empty outside ``shard_map``)."""
   aval = jax.typeof(x)
-  vma = getattr(aval, 'vma', None)  # Older jax.
+  vma = getattr(aval, "vma", None)  # Older jax.
   if vma is None:  # jax >= 0.10: ``ManualAxisType(varying=...)``.
-    vma = getattr(getattr(aval, 'manual_axis_type', None), 'varying', ())
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
   return frozenset(vma or ())
 
 
@@ -85,7 +85,7 @@ def _match_vma(ct: jax.Array, want: frozenset) -> jax.Array:
     ct = jax.lax.psum(ct, extra)
   missing = tuple(sorted(want - have))
   if missing:
-    ct = jax.lax.pcast(ct, missing, to='varying')
+    ct = jax.lax.pcast(ct, missing, to="varying")
   return ct
 
 
@@ -99,19 +99,43 @@ def _pre_activation(xf, mean, rstd, scale, bias, residual):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
 def _fused_train(
-    x, scale, bias, residual, epsilon, relu, axis_name, dtype, res_dtype,
-    vmas,
+  x,
+  scale,
+  bias,
+  residual,
+  epsilon,
+  relu,
+  axis_name,
+  dtype,
+  res_dtype,
+  vmas,
 ):
   out, _ = _fused_train_fwd(
-      x, scale, bias, residual, epsilon, relu, axis_name, dtype, res_dtype,
-      vmas,
+    x,
+    scale,
+    bias,
+    residual,
+    epsilon,
+    relu,
+    axis_name,
+    dtype,
+    res_dtype,
+    vmas,
   )
   return out
 
 
 def _fused_train_fwd(
-    x, scale, bias, residual, epsilon, relu, axis_name, dtype, res_dtype,
-    vmas,
+  x,
+  scale,
+  bias,
+  residual,
+  epsilon,
+  relu,
+  axis_name,
+  dtype,
+  res_dtype,
+  vmas,
 ):
   del res_dtype, vmas  # Only needed in the backward pass.
   sdt = _stat_dtype(x.dtype, scale.dtype, bias.dtype)
@@ -131,7 +155,7 @@ def _fused_train_fwd(
 
 
 def _fused_train_bwd(
-    epsilon, relu, axis_name, dtype, res_dtype, vmas, saved, cotangents
+  epsilon, relu, axis_name, dtype, res_dtype, vmas, saved, cotangents
 ):
   del epsilon, dtype  # Only needed in the forward pass.
   x, mean, rstd, scale, bias, saved_y = saved
@@ -155,13 +179,12 @@ def _fused_train_bwd(
     mean_g, mean_gx = jax.lax.pmean(jnp.stack([mean_g, mean_gx]), axis_name)
   dx = (rstd * scale.astype(sdt)) * (g - mean_g - x_hat * mean_gx)
   x_vma, scale_vma, bias_vma, res_vma = vmas
-  dres = None if res_dtype is None else _match_vma(
-      g.astype(res_dtype), res_vma)
+  dres = None if res_dtype is None else _match_vma(g.astype(res_dtype), res_vma)
   return (
-      _match_vma(dx.astype(x.dtype), x_vma),
-      _match_vma(dscale.astype(scale.dtype), scale_vma),
-      _match_vma(dbias.astype(bias.dtype), bias_vma),
-      dres,
+    _match_vma(dx.astype(x.dtype), x_vma),
+    _match_vma(dscale.astype(scale.dtype), scale_vma),
+    _match_vma(dbias.astype(bias.dtype), bias_vma),
+    dres,
   )
 
 
@@ -169,15 +192,15 @@ _fused_train.defvjp(_fused_train_fwd, _fused_train_bwd)
 
 
 def fused_batch_norm(
-    x: jax.Array,
-    scale: jax.Array,
-    bias: jax.Array,
-    residual: Optional[jax.Array] = None,
-    *,
-    epsilon: float = 1e-5,
-    relu: bool = False,
-    axis_name: Optional[str] = None,
-    dtype: Optional[Dtype] = None,
+  x: jax.Array,
+  scale: jax.Array,
+  bias: jax.Array,
+  residual: Optional[jax.Array] = None,
+  *,
+  epsilon: float = 1e-5,
+  relu: bool = False,
+  axis_name: Optional[str] = None,
+  dtype: Optional[Dtype] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Train-mode BatchNorm, optional residual add and ReLU, with a lean VJP.
 
@@ -210,26 +233,34 @@ def fused_batch_norm(
   # The primals' varying mesh axes (static), so that the backward pass can
   # return cotangents of the same types under ``shard_map``.
   vmas = tuple(
-      frozenset() if a is None else _vma(a) for a in (x, scale, bias, residual)
+    frozenset() if a is None else _vma(a) for a in (x, scale, bias, residual)
   )
   y, mean, var = _fused_train(
-      x, scale, bias, residual, epsilon, relu, axis_name, dtype, res_dtype,
-      vmas,
+    x,
+    scale,
+    bias,
+    residual,
+    epsilon,
+    relu,
+    axis_name,
+    dtype,
+    res_dtype,
+    vmas,
   )
   return y, jax.lax.stop_gradient(mean), jax.lax.stop_gradient(var)
 
 
 def batch_norm_inference(
-    x: jax.Array,
-    scale: jax.Array,
-    bias: jax.Array,
-    mean: jax.Array,
-    var: jax.Array,
-    residual: Optional[jax.Array] = None,
-    *,
-    epsilon: float = 1e-5,
-    relu: bool = False,
-    dtype: Optional[Dtype] = None,
+  x: jax.Array,
+  scale: jax.Array,
+  bias: jax.Array,
+  mean: jax.Array,
+  var: jax.Array,
+  residual: Optional[jax.Array] = None,
+  *,
+  epsilon: float = 1e-5,
+  relu: bool = False,
+  dtype: Optional[Dtype] = None,
 ) -> jax.Array:
   """Eval-mode counterpart of :func:`fused_batch_norm` (running statistics).
 
@@ -251,7 +282,7 @@ def batch_norm_inference(
   sdt = _stat_dtype(x.dtype, scale.dtype, bias.dtype, mean.dtype)
   rstd = jax.lax.rsqrt(var.astype(sdt) + epsilon)
   y = _pre_activation(
-      x.astype(sdt), mean.astype(sdt), rstd, scale, bias, residual
+    x.astype(sdt), mean.astype(sdt), rstd, scale, bias, residual
   )
   if relu:
     y = jnp.maximum(y, 0)
@@ -319,12 +350,12 @@ class FusedBatchNorm(nn.Module):
 
   @nn.compact
   def __call__(
-      self,
-      x: jax.Array,
-      use_running_average: Optional[bool] = None,
-      *,
-      residual: Optional[jax.Array] = None,
-      relu: Optional[bool] = None,
+    self,
+    x: jax.Array,
+    use_running_average: Optional[bool] = None,
+    *,
+    residual: Optional[jax.Array] = None,
+    relu: Optional[bool] = None,
   ) -> jax.Array:
     """Normalises ``x``, adds ``residual`` if given, applies ReLU if set.
 
@@ -338,29 +369,29 @@ class FusedBatchNorm(nn.Module):
       The output, in ``dtype`` (default: promoted as ``nn.BatchNorm`` does).
     """
     use_running_average = nn.merge_param(
-        'use_running_average', self.use_running_average, use_running_average
+      "use_running_average", self.use_running_average, use_running_average
     )
     relu = self.relu if relu is None else relu
     if self.axis not in (-1, x.ndim - 1):
       raise ValueError(
-          f'jaxmp.nn.BatchNorm normalises the last axis only (axis=-1); got '
-          f'axis={self.axis} for an input of rank {x.ndim}.'
+        f"jaxmp.nn.BatchNorm normalises the last axis only (axis=-1); got "
+        f"axis={self.axis} for an input of rank {x.ndim}."
       )
     features = (x.shape[-1],)
     ra_mean = self.variable(
-        'batch_stats', 'mean', lambda s: jnp.zeros(s, jnp.float32), features
+      "batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), features
     )
     ra_var = self.variable(
-        'batch_stats', 'var', lambda s: jnp.ones(s, jnp.float32), features
+      "batch_stats", "var", lambda s: jnp.ones(s, jnp.float32), features
     )
     promote = [x]
     if self.use_scale:
-      scale = self.param('scale', self.scale_init, features, self.param_dtype)
+      scale = self.param("scale", self.scale_init, features, self.param_dtype)
       promote.append(scale)
     else:
       scale = jnp.ones(features, jnp.float32)
     if self.use_bias:
-      bias = self.param('bias', self.bias_init, features, self.param_dtype)
+      bias = self.param("bias", self.bias_init, features, self.param_dtype)
       promote.append(bias)
     else:
       bias = jnp.zeros(features, jnp.float32)
@@ -368,15 +399,28 @@ class FusedBatchNorm(nn.Module):
 
     if use_running_average:
       return batch_norm_inference(
-          x, scale, bias, ra_mean.value, ra_var.value, residual,
-          epsilon=self.epsilon, relu=relu, dtype=dtype,
+        x,
+        scale,
+        bias,
+        ra_mean.value,
+        ra_var.value,
+        residual,
+        epsilon=self.epsilon,
+        relu=relu,
+        dtype=dtype,
       )
     initializing = self.is_initializing()
     # Like nn.BatchNorm: no collective during init (no axis bound then).
     axis_name = None if initializing else self.axis_name
     y, mean, var = fused_batch_norm(
-        x, scale, bias, residual,
-        epsilon=self.epsilon, relu=relu, axis_name=axis_name, dtype=dtype,
+      x,
+      scale,
+      bias,
+      residual,
+      epsilon=self.epsilon,
+      relu=relu,
+      axis_name=axis_name,
+      dtype=dtype,
     )
     if not initializing:
       if self.unbiased_running_var:

@@ -57,6 +57,7 @@ class LossScaleConfig:
     max_loss_scale: cap of the scale (``inf``: only never grow to inf).
     hysteresis: back off only from the ``hysteresis``-th consecutive overflow.
   """
+
   kind: str
   period: int = 2000
   factor: float = 2.0
@@ -83,6 +84,7 @@ class MixedPrecisionState(NamedTuple):
     consecutive_skips: int32, skipped steps in a row up to now.
     config: static `LossScaleConfig` (structure, not a leaf).
   """
+
   inner_state: optax.OptState
   master_params: Any
   loss_scale: jax.Array
@@ -93,31 +95,39 @@ class MixedPrecisionState(NamedTuple):
   config: LossScaleConfig
 
 
-def _config_from(loss_scale: Optional[Union[LossScale, float]],
-                 max_loss_scale: Optional[float],
-                 hysteresis: int) -> tuple[LossScaleConfig, float]:
+def _config_from(
+  loss_scale: Optional[Union[LossScale, float]],
+  max_loss_scale: Optional[float],
+  hysteresis: int,
+) -> tuple[LossScaleConfig, float]:
   """Validates the user's loss scale; returns (config, initial scale)."""
   if loss_scale is None:
     loss_scale = jmp.DynamicLossScale(np.float32(2.0**15))
   if _is_number(loss_scale):
     loss_scale = jmp.StaticLossScale(
-        np.float32(_concrete(loss_scale, "loss_scale")))
+      np.float32(_concrete(loss_scale, "loss_scale"))
+    )
   if not _is_number(hysteresis) or _concrete(hysteresis, "hysteresis") < 1:
     raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
   hysteresis = int(_concrete(hysteresis, "hysteresis"))
-  cap = (float("inf") if max_loss_scale is None else
-         _concrete(max_loss_scale, "max_loss_scale"))
+  cap = (
+    float("inf")
+    if max_loss_scale is None
+    else _concrete(max_loss_scale, "max_loss_scale")
+  )
   if isinstance(loss_scale, jmp.NoOpLossScale):
     return LossScaleConfig("noop", min_loss_scale=1.0, max_loss_scale=1.0), 1.0
   if isinstance(loss_scale, jmp.StaticLossScale):
     value = _concrete(loss_scale.loss_scale, "StaticLossScale.loss_scale")
     _check_positive(value, "loss_scale")
-    return LossScaleConfig("static", min_loss_scale=value,
-                           max_loss_scale=value), value
+    return LossScaleConfig(
+      "static", min_loss_scale=value, max_loss_scale=value
+    ), value
   if isinstance(loss_scale, jmp.DynamicLossScale):
     value = _concrete(loss_scale.loss_scale, "DynamicLossScale.loss_scale")
-    floor = _concrete(loss_scale.min_loss_scale,
-                      "DynamicLossScale.min_loss_scale")
+    floor = _concrete(
+      loss_scale.min_loss_scale, "DynamicLossScale.min_loss_scale"
+    )
     _check_positive(value, "loss_scale")
     _check_positive(floor, "min_loss_scale")
     if int(loss_scale.period) < 1:
@@ -125,21 +135,28 @@ def _config_from(loss_scale: Optional[Union[LossScale, float]],
     if not float(loss_scale.factor) > 1:
       raise ValueError(f"factor must be > 1, got {loss_scale.factor!r}")
     if not floor <= cap:
-      raise ValueError(
-          f"min_loss_scale={floor} is above max_loss_scale={cap}")
+      raise ValueError(f"min_loss_scale={floor} is above max_loss_scale={cap}")
     clamped = min(max(value, floor), cap)
     if clamped != value:
       warnings.warn(
-          f"initial loss scale {value} is outside [min_loss_scale={floor}, "
-          f"max_loss_scale={cap}]; it starts at {clamped}", stacklevel=3)
+        f"initial loss scale {value} is outside [min_loss_scale={floor}, "
+        f"max_loss_scale={cap}]; it starts at {clamped}",
+        stacklevel=3,
+      )
     value = clamped
-    return LossScaleConfig("dynamic", int(loss_scale.period),
-                           float(loss_scale.factor), floor, cap,
-                           hysteresis), value
+    return LossScaleConfig(
+      "dynamic",
+      int(loss_scale.period),
+      float(loss_scale.factor),
+      floor,
+      cap,
+      hysteresis,
+    ), value
   raise TypeError(
-      "loss_scale must be None (dynamic, 2**15), a positive number (static), "
-      "jmp.DynamicLossScale, jmp.StaticLossScale or jmp.NoOpLossScale; got "
-      f"{loss_scale!r}")
+    "loss_scale must be None (dynamic, 2**15), a positive number (static), "
+    "jmp.DynamicLossScale, jmp.StaticLossScale or jmp.NoOpLossScale; got "
+    f"{loss_scale!r}"
+  )
 
 
 def _is_number(x) -> bool:
@@ -147,7 +164,8 @@ def _is_number(x) -> bool:
   if isinstance(x, bool):
     return False
   return isinstance(x, (int, float, np.number)) or (
-      isinstance(x, (np.ndarray, jax.Array)) and np.ndim(x) == 0)
+    isinstance(x, (np.ndarray, jax.Array)) and np.ndim(x) == 0
+  )
 
 
 def _concrete(x, name: str) -> float:
@@ -155,9 +173,10 @@ def _concrete(x, name: str) -> float:
     return float(np.asarray(x))
   except (TypeError, jax.errors.ConcretizationTypeError) as e:
     raise ValueError(
-        f"{name} must be a concrete number, not a traced value; with "
-        "optax.inject_hyperparams(jaxmp.mixed_precision, static_args=("
-        f"'{name}',)) it stays static") from e
+      f"{name} must be a concrete number, not a traced value; with "
+      "optax.inject_hyperparams(jaxmp.mixed_precision, static_args=("
+      f"'{name}',)) it stays static"
+    ) from e
 
 
 def _check_positive(value: float, name: str) -> None:
@@ -165,9 +184,13 @@ def _check_positive(value: float, name: str) -> None:
     raise ValueError(f"{name} must be finite and > 0, got {value}")
 
 
-def adjust_loss_scale(config: LossScaleConfig, loss_scale: jax.Array,
-                      growth_counter: jax.Array, consecutive_skips: jax.Array,
-                      grads_finite: jax.Array) -> tuple[jax.Array, jax.Array]:
+def adjust_loss_scale(
+  config: LossScaleConfig,
+  loss_scale: jax.Array,
+  growth_counter: jax.Array,
+  consecutive_skips: jax.Array,
+  grads_finite: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
   """One step of the loss-scale rule (see the module docstring).
 
   Args:
@@ -185,14 +208,19 @@ def adjust_loss_scale(config: LossScaleConfig, loss_scale: jax.Array,
   counter = jnp.where(grads_finite, growth_counter + 1, 0)
   grow = counter >= config.period
   grown = loss_scale * config.factor
-  grown = jnp.minimum(jnp.where(jnp.isfinite(grown), grown, loss_scale),
-                      jnp.float32(config.max_loss_scale))
-  shrunk = jnp.maximum(loss_scale / config.factor,
-                       jnp.float32(config.min_loss_scale))
+  grown = jnp.minimum(
+    jnp.where(jnp.isfinite(grown), grown, loss_scale),
+    jnp.float32(config.max_loss_scale),
+  )
+  shrunk = jnp.maximum(
+    loss_scale / config.factor, jnp.float32(config.min_loss_scale)
+  )
   back_off = consecutive_skips >= config.hysteresis
   new_scale = jnp.where(
-      grads_finite, jnp.where(grow, grown, loss_scale),
-      jnp.where(back_off, shrunk, loss_scale))
+    grads_finite,
+    jnp.where(grow, grown, loss_scale),
+    jnp.where(back_off, shrunk, loss_scale),
+  )
   return new_scale.astype(jnp.float32), jnp.where(grow, 0, counter)
 
 
@@ -218,8 +246,11 @@ def all_finite(tree: Any) -> jax.Array:
   full = [x for x in leaves if not _is_half(x)]
   flags = [jnp.all(jnp.isfinite(x)) for x in half]
   if full:
-    flags.append(jax.lax.platform_dependent(
-        full, cpu=_full_finite_cpu, default=_full_finite_exact))
+    flags.append(
+      jax.lax.platform_dependent(
+        full, cpu=_full_finite_cpu, default=_full_finite_exact
+      )
+    )
   if not flags:
     return jnp.array(True)
   return jnp.all(jnp.stack(flags))
@@ -235,8 +266,9 @@ def _full_finite_cpu(leaves) -> jax.Array:
   # The true branch returns ``fast`` itself (True there) rather than a
   # constant: under ``shard_map`` both branches then carry the operands'
   # varying manual axes (vma), as ``check_vma=True`` requires.
-  return jax.lax.cond(fast, lambda f, _: f,
-                      lambda _, xs: _full_finite_exact(xs), fast, leaves)
+  return jax.lax.cond(
+    fast, lambda f, _: f, lambda _, xs: _full_finite_exact(xs), fast, leaves
+  )
 
 
 def _is_half(x) -> bool:
@@ -254,13 +286,13 @@ def _find_multisteps(tree) -> bool:
 
 
 def mixed_precision(
-    inner: optax.GradientTransformation,
-    *,
-    loss_scale: Optional[Union[LossScale, float]] = None,
-    max_loss_scale: Optional[float] = 2.0**24,
-    hysteresis: int = 1,
-    master_weights: bool = True,
-    axis_name: Optional[str] = None,
+  inner: optax.GradientTransformation,
+  *,
+  loss_scale: Optional[Union[LossScale, float]] = None,
+  max_loss_scale: Optional[float] = 2.0**24,
+  hysteresis: int = 1,
+  master_weights: bool = True,
+  axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer with FP32 master params and loss scaling.
 
@@ -340,50 +372,58 @@ def mixed_precision(
   def init_fn(params):
     if _find_masked_nodes(params):
       raise ValueError(
-          "mixed_precision inside optax.multi_transform or optax.masked sees "
-          "only part of the params: the other groups' gradients are never "
-          "unscaled and their inf/nan never skips the step; wrap the whole "
-          "optimizer instead: jaxmp.mixed_precision(optax.multi_transform("
-          "...))")
+        "mixed_precision inside optax.multi_transform or optax.masked sees "
+        "only part of the params: the other groups' gradients are never "
+        "unscaled and their inf/nan never skips the step; wrap the whole "
+        "optimizer instead: jaxmp.mixed_precision(optax.multi_transform("
+        "...))"
+      )
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       if not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
         raise ValueError(
-            "mixed_precision needs floating-point params; "
-            f"{jax.tree_util.keystr(path)} has dtype {leaf.dtype}")
+          "mixed_precision needs floating-point params; "
+          f"{jax.tree_util.keystr(path)} has dtype {leaf.dtype}"
+        )
     if master_weights:
       masters = jax.tree.map(
-          lambda p: p.astype(jnp.float32) if _is_half(p) else None, params)
+        lambda p: p.astype(jnp.float32) if _is_half(p) else None, params
+      )
     else:
       masters = jax.tree.map(lambda p: None, params)
     full = _full_precision(params, masters)
     inner_state = inner.init(full)
     if _find_multisteps(inner_state):
       raise ValueError(
-          "optax.MultiSteps inside mixed_precision would change the loss "
-          "scale and skip microbatches inside an accumulation window; use "
-          "jaxmp.multi_steps(jaxmp.mixed_precision(inner), k) instead")
+        "optax.MultiSteps inside mixed_precision would change the loss "
+        "scale and skip microbatches inside an accumulation window; use "
+        "jaxmp.multi_steps(jaxmp.mixed_precision(inner), k) instead"
+      )
     return MixedPrecisionState(
-        inner_state=inner_state,
-        master_params=masters,
-        loss_scale=jnp.asarray(initial_scale, jnp.float32),
-        growth_counter=jnp.zeros([], jnp.int32),
-        grads_finite=jnp.ones([], jnp.bool_),
-        skipped_steps=jnp.zeros([], jnp.int32),
-        consecutive_skips=jnp.zeros([], jnp.int32),
-        config=config)
+      inner_state=inner_state,
+      master_params=masters,
+      loss_scale=jnp.asarray(initial_scale, jnp.float32),
+      growth_counter=jnp.zeros([], jnp.int32),
+      grads_finite=jnp.ones([], jnp.bool_),
+      skipped_steps=jnp.zeros([], jnp.int32),
+      consecutive_skips=jnp.zeros([], jnp.int32),
+      config=config,
+    )
 
   def update_fn(grads, state, params=None, **extra_args):
     if params is None:
-      raise ValueError("mixed_precision.update needs params: "
-                       "opt.update(grads, opt_state, params)")
+      raise ValueError(
+        "mixed_precision.update needs params: "
+        "opt.update(grads, opt_state, params)"
+      )
     scale = state.loss_scale
     # With a scale >= 1 unscaling cannot overflow: check the raw gradients
     # and let XLA fuse the check into one read of them.
     if config.min_loss_scale >= 1:
       finite = all_finite(grads)
     else:
-      finite = all_finite(jax.tree.map(lambda g: g.astype(jnp.float32) / scale,
-                                       grads))
+      finite = all_finite(
+        jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
+      )
     if axis_name is not None:
       finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
 
@@ -391,15 +431,19 @@ def mixed_precision(
     inv_scale = 1.0 / scale
     grads = jax.tree.map(lambda g: g.astype(jnp.float32) * inv_scale, grads)
     full = _full_precision(params, state.master_params)
-    inner_updates, inner_state = inner.update(grads, state.inner_state, full,
-                                              **extra_args)
+    inner_updates, inner_state = inner.update(
+      grads, state.inner_state, full, **extra_args
+    )
     new_full = optax.apply_updates(full, inner_updates)
 
     keep = lambda new, old: jnp.where(finite, new, old)
     inner_state = jax.tree.map(keep, inner_state, state.inner_state)
     masters = jax.tree.map(
-        lambda m, n: None if m is None else keep(n, m),
-        state.master_params, new_full, is_leaf=lambda x: x is None)
+      lambda m, n: None if m is None else keep(n, m),
+      state.master_params,
+      new_full,
+      is_leaf=lambda x: x is None,
+    )
 
     def outer_update(p, u, m):
       if m is not None:
@@ -408,8 +452,11 @@ def mixed_precision(
         # -0.0 param plus the +0.0 of ``t - p`` would turn into +0.0).
         t = m.astype(p.dtype)
         same = (t == p) & (jnp.signbit(t) == jnp.signbit(p))
-        u = jnp.where(same, jnp.asarray(-0.0, jnp.float32),
-                      t.astype(jnp.float32) - p.astype(jnp.float32))
+        u = jnp.where(
+          same,
+          jnp.asarray(-0.0, jnp.float32),
+          t.astype(jnp.float32) - p.astype(jnp.float32),
+        )
       # -0.0 is the additive identity of every float, signed zeros included.
       return jnp.where(finite, u, jnp.asarray(-0.0, u.dtype))
 
@@ -418,16 +465,18 @@ def mixed_precision(
 
     skips = jnp.where(finite, 0, state.consecutive_skips + 1)
     new_scale, counter = adjust_loss_scale(
-        config, scale, state.growth_counter, skips, finite)
+      config, scale, state.growth_counter, skips, finite
+    )
     return updates, MixedPrecisionState(
-        inner_state=inner_state,
-        master_params=masters,
-        loss_scale=new_scale,
-        growth_counter=counter.astype(jnp.int32),
-        grads_finite=finite,
-        skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
-        consecutive_skips=skips.astype(jnp.int32),
-        config=config)
+      inner_state=inner_state,
+      master_params=masters,
+      loss_scale=new_scale,
+      growth_counter=counter.astype(jnp.int32),
+      grads_finite=finite,
+      skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+      consecutive_skips=skips.astype(jnp.int32),
+      config=config,
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -438,6 +487,7 @@ def _full_precision(params, masters):
   ``None`` params (empty subtrees, such as the function fields of an
   ``eqx.filter``-ed Equinox module) stay ``None``.
   """
+
   def view(m, p):
     if p is None:
       return None

@@ -29,6 +29,7 @@ class Preset:
       optimizer state.
     description: one line for humans.
   """
+
   name: str
   policy: jmp.Policy
   loss_scale: str
@@ -38,31 +39,63 @@ class Preset:
 
 
 def _preset(name, policy, loss_scale, keep_bn_fp32, master, description):
-  return Preset(name, jmp.get_policy(policy), loss_scale, keep_bn_fp32, master,
-                description)
+  return Preset(
+    name, jmp.get_policy(policy), loss_scale, keep_bn_fp32, master, description
+  )
 
 
 PRESETS = {
-    p.name: p for p in (
-        _preset("O0", "p=f32,c=f32,o=f32", "none", True, False,
-                "fp32 everywhere: the accuracy baseline."),
-        _preset("O1", "p=f32,c=f16,o=f32", "dynamic", True, False,
-                "fp32 params, fp16 compute, BatchNorm fp32, dynamic loss "
-                "scaling."),
-        _preset("O2", "p=f16,c=f16,o=f32", "dynamic", True, True,
-                "fp16 params and compute, BatchNorm fp32, fp32 master "
-                "weights, dynamic loss scaling."),
-        _preset("O3", "p=f16,c=f16,o=f16", "none", False, False,
-                "pure fp16, no masters, no loss scaling: a speed baseline."),
-        _preset("bf16", "p=f32,c=bf16,o=f32", "none", True, False,
-                "fp32 params, bfloat16 compute, no loss scaling needed."),
-    )
+  p.name: p
+  for p in (
+    _preset(
+      "O0",
+      "p=f32,c=f32,o=f32",
+      "none",
+      True,
+      False,
+      "fp32 everywhere: the accuracy baseline.",
+    ),
+    _preset(
+      "O1",
+      "p=f32,c=f16,o=f32",
+      "dynamic",
+      True,
+      False,
+      "fp32 params, fp16 compute, BatchNorm fp32, dynamic loss scaling.",
+    ),
+    _preset(
+      "O2",
+      "p=f16,c=f16,o=f32",
+      "dynamic",
+      True,
+      True,
+      "fp16 params and compute, BatchNorm fp32, fp32 master "
+      "weights, dynamic loss scaling.",
+    ),
+    _preset(
+      "O3",
+      "p=f16,c=f16,o=f16",
+      "none",
+      False,
+      False,
+      "pure fp16, no masters, no loss scaling: a speed baseline.",
+    ),
+    _preset(
+      "bf16",
+      "p=f32,c=bf16,o=f32",
+      "none",
+      True,
+      False,
+      "fp32 params, bfloat16 compute, no loss scaling needed.",
+    ),
+  )
 }
 
 _SPEC_HELP = (
-    "a preset (" + ", ".join(PRESETS) + ") or a jmp policy string such as "
-    "'params=float32,compute=float16,output=float32' or 'p=f32,c=f16,o=f32' "
-    "(dtypes: float32/f32, float16/f16/half, bfloat16/bf16)")
+  "a preset (" + ", ".join(PRESETS) + ") or a jmp policy string such as "
+  "'params=float32,compute=float16,output=float32' or 'p=f32,c=f16,o=f32' "
+  "(dtypes: float32/f32, float16/f16/half, bfloat16/bf16)"
+)
 
 
 def get_preset(spec: str) -> Preset:
@@ -95,12 +128,13 @@ def get_preset(spec: str) -> Preset:
   half = {"float16", "bfloat16"}
   fp16_compute = _dtype_name(policy.compute_dtype) == "float16"
   return Preset(
-      name=spec,
-      policy=policy,
-      loss_scale="dynamic" if fp16_compute else "none",
-      keep_batchnorm_fp32=True,
-      master_weights=_dtype_name(policy.param_dtype) in half,
-      description="custom jmp policy")
+    name=spec,
+    policy=policy,
+    loss_scale="dynamic" if fp16_compute else "none",
+    keep_batchnorm_fp32=True,
+    master_weights=_dtype_name(policy.param_dtype) in half,
+    description="custom jmp policy",
+  )
 
 
 def get_policy(spec: Union[str, Preset]) -> jmp.Policy:

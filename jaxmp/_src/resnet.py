@@ -50,12 +50,10 @@ Dtype = Any
 # torchvision: kaiming_normal_(mode="fan_out", nonlinearity="relu"), which is
 # an untruncated normal: jax's "normal" ("truncated_normal" is the
 # truncated one).
-_TORCH_CONV_INIT = nn.initializers.variance_scaling(
-    2.0, 'fan_out', 'normal'
-)
+_TORCH_CONV_INIT = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
 # torch.nn.Linear: kaiming_uniform_(a=sqrt(5)) == U(-1/sqrt(fan_in), ...).
 _TORCH_LINEAR_INIT = nn.initializers.variance_scaling(
-    1.0 / 3.0, 'fan_in', 'uniform'
+  1.0 / 3.0, "fan_in", "uniform"
 )
 
 
@@ -70,19 +68,19 @@ def _torch_linear_bias_init(fan_in: int) -> Callable[..., jax.Array]:
 
 
 def _norm_act(
-    x: jax.Array,
-    residual: Optional[jax.Array],
-    *,
-    name: str,
-    relu: bool,
-    train: bool,
-    fused: bool,
-    dtype: Dtype,
-    norm_dtype: Dtype,
-    momentum: float,
-    epsilon: float,
-    axis_name: Optional[str],
-    unbiased_running_var: bool = False,
+  x: jax.Array,
+  residual: Optional[jax.Array],
+  *,
+  name: str,
+  relu: bool,
+  train: bool,
+  fused: bool,
+  dtype: Dtype,
+  norm_dtype: Dtype,
+  momentum: float,
+  epsilon: float,
+  axis_name: Optional[str],
+  unbiased_running_var: bool = False,
 ) -> jax.Array:
   """BatchNorm named ``name`` in the current module, then add and ReLU.
 
@@ -90,17 +88,17 @@ def _norm_act(
   child of the module whose method is running.
   """
   kwargs = dict(
-      use_running_average=not train,
-      momentum=momentum,
-      epsilon=epsilon,
-      dtype=dtype,
-      param_dtype=norm_dtype,
-      axis_name=axis_name,
-      name=name,
+    use_running_average=not train,
+    momentum=momentum,
+    epsilon=epsilon,
+    dtype=dtype,
+    param_dtype=norm_dtype,
+    axis_name=axis_name,
+    name=name,
   )
   if fused:
     return fused_norm.FusedBatchNorm(
-        relu=relu, unbiased_running_var=unbiased_running_var, **kwargs
+      relu=relu, unbiased_running_var=unbiased_running_var, **kwargs
     )(x, residual=residual)
   bn = nn.BatchNorm(**kwargs)
   y = bn(x)
@@ -115,10 +113,8 @@ def _norm_act(
       mean, mean_sq = jax.lax.pmean(jnp.stack([mean, mean_sq]), axis_name)
     var = jnp.maximum(0.0, mean_sq - jnp.square(mean))
     extra = fused_norm.unbiased_factor(x, axis_name) - 1
-    new = bn.get_variable('batch_stats', 'var')
-    bn.put_variable(
-        'batch_stats', 'var', new + (1 - momentum) * extra * var
-    )
+    new = bn.get_variable("batch_stats", "var")
+    bn.put_variable("batch_stats", "var", new + (1 - momentum) * extra * var)
   if residual is not None:
     y = y + residual
   return nn.relu(y) if relu else y
@@ -144,16 +140,16 @@ class BasicBlock(nn.Module):
     """Applies the block to NHWC ``x``."""
     norm_act = functools.partial(self.norm_act, train=train)
     s = (self.strides, self.strides)
-    y = self.conv(self.features, (3, 3), s, padding=1, name='conv1')(x)
-    y = norm_act(y, None, name='bn1', relu=True)
-    y = self.conv(self.features, (3, 3), padding=1, name='conv2')(y)
+    y = self.conv(self.features, (3, 3), s, padding=1, name="conv1")(x)
+    y = norm_act(y, None, name="bn1", relu=True)
+    y = self.conv(self.features, (3, 3), padding=1, name="conv2")(y)
     shortcut = x
     if self.strides != 1 or x.shape[-1] != self.features:
       shortcut = self.conv(
-          self.features, (1, 1), s, padding=0, name='downsample_conv'
+        self.features, (1, 1), s, padding=0, name="downsample_conv"
       )(x)
-      shortcut = norm_act(shortcut, None, name='downsample_bn', relu=False)
-    return norm_act(y, shortcut, name='bn2', relu=True)
+      shortcut = norm_act(shortcut, None, name="downsample_bn", relu=False)
+    return norm_act(y, shortcut, name="bn2", relu=True)
 
 
 class ResNet(nn.Module):
@@ -188,14 +184,14 @@ class ResNet(nn.Module):
   stage_sizes: Sequence[int]
   num_classes: int = 10
   num_filters: int = 64
-  stem: str = 'cifar'
+  stem: str = "cifar"
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   norm_dtype: Dtype = jnp.float32
   bn_momentum: float = 0.9
   bn_epsilon: float = 1e-5
   axis_name: Optional[str] = None
-  init_scheme: str = 'flax'
+  init_scheme: str = "flax"
   fused_norm: bool = True
   tap_kernel_grads: bool = True
   unbiased_running_var: bool = False
@@ -212,80 +208,82 @@ class ResNet(nn.Module):
     Returns:
       ``[N, num_classes]`` float32 logits.
     """
-    if self.init_scheme not in ('flax', 'torchvision'):
+    if self.init_scheme not in ("flax", "torchvision"):
       raise ValueError(
-          'init_scheme must be "flax" or "torchvision", got'
-          f' {self.init_scheme!r}'
+        f'init_scheme must be "flax" or "torchvision", got {self.init_scheme!r}'
       )
-    if self.stem not in ('cifar', 'imagenet'):
+    if self.stem not in ("cifar", "imagenet"):
       raise ValueError(f'stem must be "cifar" or "imagenet", got {self.stem!r}')
-    torch_init = self.init_scheme == 'torchvision'
+    torch_init = self.init_scheme == "torchvision"
     conv_kwargs = dict(kernel_init=_TORCH_CONV_INIT) if torch_init else {}
     if self.tap_kernel_grads:
-      conv_kwargs['conv_general_dilated'] = conv_lib.conv_general_dilated
+      conv_kwargs["conv_general_dilated"] = conv_lib.conv_general_dilated
     conv = functools.partial(
-        nn.Conv,
-        use_bias=False,
-        dtype=self.dtype,
-        param_dtype=self.param_dtype,
-        **conv_kwargs,
+      nn.Conv,
+      use_bias=False,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      **conv_kwargs,
     )
     norm_act = functools.partial(
-        _norm_act,
-        fused=self.fused_norm,
-        dtype=self.dtype,
-        norm_dtype=self.norm_dtype,
-        momentum=self.bn_momentum,
-        epsilon=self.bn_epsilon,
-        axis_name=self.axis_name,
-        unbiased_running_var=self.unbiased_running_var,
+      _norm_act,
+      fused=self.fused_norm,
+      dtype=self.dtype,
+      norm_dtype=self.norm_dtype,
+      momentum=self.bn_momentum,
+      epsilon=self.bn_epsilon,
+      axis_name=self.axis_name,
+      unbiased_running_var=self.unbiased_running_var,
     )
 
     x = jnp.asarray(x, self.dtype)
-    if self.stem == 'cifar':
-      x = conv(self.num_filters, (3, 3), padding=1, name='conv1')(x)
-      x = norm_act(x, None, name='bn1', relu=True, train=train)
+    if self.stem == "cifar":
+      x = conv(self.num_filters, (3, 3), padding=1, name="conv1")(x)
+      x = norm_act(x, None, name="bn1", relu=True, train=train)
     else:
-      x = conv(self.num_filters, (7, 7), (2, 2), padding=3, name='conv1')(x)
-      x = norm_act(x, None, name='bn1', relu=True, train=train)
+      x = conv(self.num_filters, (7, 7), (2, 2), padding=3, name="conv1")(x)
+      x = norm_act(x, None, name="bn1", relu=True, train=train)
       x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
 
     for i, num_blocks in enumerate(self.stage_sizes):
       for j in range(num_blocks):
         x = BasicBlock(
-            features=self.num_filters * 2**i,
-            strides=2 if i > 0 and j == 0 else 1,
-            conv=conv,
-            norm_act=norm_act,
-            name=f'layer{i + 1}_{j}',
+          features=self.num_filters * 2**i,
+          strides=2 if i > 0 and j == 0 else 1,
+          conv=conv,
+          norm_act=norm_act,
+          name=f"layer{i + 1}_{j}",
         )(x, train)
 
     x = jnp.mean(x, axis=(1, 2))
     dense_kwargs = {}
     if torch_init:
       dense_kwargs = dict(
-          kernel_init=_TORCH_LINEAR_INIT,
-          bias_init=_torch_linear_bias_init(x.shape[-1]),
+        kernel_init=_TORCH_LINEAR_INIT,
+        bias_init=_torch_linear_bias_init(x.shape[-1]),
       )
     x = nn.Dense(
-        self.num_classes,
-        dtype=self.dtype,
-        param_dtype=self.param_dtype,
-        name='fc',
-        **dense_kwargs,
+      self.num_classes,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      name="fc",
+      **dense_kwargs,
     )(x)
     return jnp.asarray(x, jnp.float32)
 
 
-resnet18 = functools.partial(ResNet, stage_sizes=(2, 2, 2, 2), stem='cifar')
+resnet18 = functools.partial(ResNet, stage_sizes=(2, 2, 2, 2), stem="cifar")
 resnet18_torchvision = functools.partial(
-    ResNet, stage_sizes=(2, 2, 2, 2), stem='imagenet',
-    init_scheme='torchvision', unbiased_running_var=True,
+  ResNet,
+  stage_sizes=(2, 2, 2, 2),
+  stem="imagenet",
+  init_scheme="torchvision",
+  unbiased_running_var=True,
 )
 
 _MODELS = {
-    'resnet18': resnet18,
-    'resnet18_torchvision': resnet18_torchvision,
+  "resnet18": resnet18,
+  "resnet18_torchvision": resnet18_torchvision,
 }
 
 
@@ -308,6 +306,6 @@ def get_model(name: str, **kwargs: Any) -> ResNet:
   """
   if name not in _MODELS:
     raise ValueError(
-        f'Unknown model {name!r}; valid names: {", ".join(sorted(_MODELS))}.'
+      f"Unknown model {name!r}; valid names: {', '.join(sorted(_MODELS))}."
     )
   return _MODELS[name](**kwargs)

@@ -11,7 +11,8 @@ try:
   import flax  # noqa: F401  pylint: disable=unused-import
 except ImportError:
   raise ImportError(
-      "jaxmp.models needs flax: pip install 'jaxmp[flax]'") from None
+    "jaxmp.models needs flax: pip install 'jaxmp[flax]'"
+  ) from None
 
 from jaxmp._src.resnet import get_model
 from jaxmp._src.resnet import ResNet
@@ -19,8 +20,8 @@ from jaxmp._src.resnet import resnet18
 from jaxmp._src.resnet import resnet18_torchvision
 
 __all__ = (
-    "get_model",
-    "ResNet",
-    "resnet18",
-    "resnet18_torchvision",
+  "get_model",
+  "ResNet",
+  "resnet18",
+  "resnet18_torchvision",
 )

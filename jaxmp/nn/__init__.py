@@ -18,6 +18,6 @@ from jaxmp._src.conv import conv_general_dilated
 from jaxmp._src.fused_norm import FusedBatchNorm as BatchNorm
 
 __all__ = (
-    "BatchNorm",
-    "conv_general_dilated",
+  "BatchNorm",
+  "conv_general_dilated",
 )
