@@ -46,6 +46,8 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # The tests use tiny shapes, so XLA's slow LLVM optimisations only cost
 # compile time (about half of the suite's CPU time without these two flags).
@@ -110,6 +112,29 @@ def run_driver(
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   with open(spec["results"]) as f:
     return json.load(f)
+
+
+def random_data(n: int = 100, size: int = 8, seed: int = 0):
+  """Random uint8 images; label i marks example i, to trace the order."""
+  rng = np.random.default_rng(seed)
+  images = rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8)
+  return images, np.arange(n, dtype=np.int32)
+
+
+def crop_options(image: np.ndarray) -> list[np.ndarray]:
+  """All 2 * 9 * 9 pad-4 crops (flipped or not) of `image`."""
+  h, w, _ = image.shape
+  padded = np.pad(image, ((4, 4), (4, 4), (0, 0)))
+  out = []
+  for dy in range(9):
+    for dx in range(9):
+      crop = padded[dy : dy + h, dx : dx + w]
+      out += [crop, crop[:, ::-1]]
+  return out
+
+
+def is_valid_crop(out: np.ndarray, image: np.ndarray) -> bool:
+  return any(np.array_equal(out, c) for c in crop_options(image))
 
 
 def read_jsonl(path: str) -> list[dict]:

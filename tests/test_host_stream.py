@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from _helpers import is_valid_crop
+from _helpers import random_data
 from cifar_train import host_stream
 
 MEAN = (0.4914, 0.4822, 0.4465)
@@ -10,33 +12,10 @@ STD = (0.2470, 0.2435, 0.2616)
 TRAIN = dict(seed=0, batch_size=16, mean=MEAN, std=STD, augment=True)
 
 
-def random_data(n: int = 100, size: int = 8, seed: int = 0):
-  """Random uint8 images; label i marks example i, to trace the order."""
-  rng = np.random.default_rng(seed)
-  images = rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8)
-  return images, np.arange(n, dtype=np.int32)
-
-
 def unnormalize(x: np.ndarray) -> np.ndarray:
   u8 = (x * np.asarray(STD) + np.asarray(MEAN)) * 255.0
   np.testing.assert_allclose(u8, np.rint(u8), atol=1e-3)
   return np.rint(u8).astype(np.uint8)
-
-
-def crop_options(image: np.ndarray) -> list[np.ndarray]:
-  """All 2 * 9 * 9 pad-4 crops (flipped or not) of `image`."""
-  h, w, _ = image.shape
-  padded = np.pad(image, ((4, 4), (4, 4), (0, 0)))
-  out = []
-  for dy in range(9):
-    for dx in range(9):
-      crop = padded[dy : dy + h, dx : dx + w]
-      out += [crop, crop[:, ::-1]]
-  return out
-
-
-def is_valid_crop(out: np.ndarray, image: np.ndarray) -> bool:
-  return any(np.array_equal(out, c) for c in crop_options(image))
 
 
 def collect(images, labels, **kwargs):
