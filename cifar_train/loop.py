@@ -26,6 +26,7 @@ from cifar_train import host_stream
 from cifar_train import mesh as mesh_lib
 from cifar_train import reporting
 from cifar_train import settings as settings_lib
+from cifar_train import startup
 from cifar_train import steps
 from cifar_train.errors import ConfigError
 from cifar_train.errors import TrainingError
@@ -118,6 +119,7 @@ def train(
   )
   reporting.check_workdir(workdir)
   start_time = time.time()
+  startup.enable_compile_cache(s.compile_cache_dir)
   mesh = mesh_lib.create_mesh(
     s.num_devices,
     {"batch_size": s.batch_size, "eval_batch_size": s.eval_batch_size},
@@ -213,6 +215,7 @@ def train(
   step = first_step
   last_train = {"loss": float("nan"), "accuracy": float("nan")}
   test = None
+  seconds_to_first_step = None
   while step < total_steps:
     epoch, start_batch = divmod(step, steps_per_epoch)
     epoch_end = min((epoch + 1) * steps_per_epoch, total_steps)
@@ -221,6 +224,14 @@ def train(
     for args in source.epoch(state, epoch, start_batch, epoch_end - step):
       state, metrics = step_fn(state, *args, metrics)
       step += 1
+      if seconds_to_first_step is None:  # One sync, on the first step only.
+        jax.block_until_ready(state.step)
+        seconds_to_first_step = time.time() - startup.process_start_time()
+        print(
+          f"First step done {seconds_to_first_step:.1f} s after start "
+          "(imports, data, compile)",
+          flush=True,
+        )
       writer.progress(step)
       if step % s.log_every_steps == 0 or step == epoch_end:
         try:
@@ -267,6 +278,7 @@ def train(
     "train_accuracy": last_train["accuracy"],
     "steps": int(state.step),
     "wall_seconds": time.time() - start_time,
+    "seconds_to_first_step": seconds_to_first_step,
     "num_devices": num_devices,
     "num_processes": jax.process_count(),
     "params_fingerprint": steps.params_fingerprint(state),

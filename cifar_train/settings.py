@@ -84,6 +84,7 @@ class Settings:
   checkpoint_every_steps: int
   keep_checkpoints: int
   progress_bar: bool
+  compile_cache_dir: str
 
 
 def _is_dynamic(loss_scale: Any) -> bool:
@@ -119,6 +120,16 @@ def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
     hysteresis=int(config.loss_scale_hysteresis),
     master_weights=preset.master_weights,
   )
+
+
+def _compile_cache_dir(value: str) -> str:
+  """The cache directory of ``config.compile_cache_dir``; "" when off."""
+  if value != "auto":
+    return os.path.expanduser(value)
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+    os.path.expanduser("~"), ".cache"
+  )
+  return os.path.join(base, "jaxmp", "jit")
 
 
 def _choice(config, key: str, valid: tuple[str, ...]) -> str:
@@ -193,4 +204,5 @@ def resolve(config: ml_collections.ConfigDict) -> Settings:
     checkpoint_every_steps=int(config.checkpoint_every_steps),
     keep_checkpoints=int(config.keep_checkpoints),
     progress_bar=bool(config.progress_bar),
+    compile_cache_dir=_compile_cache_dir(config.compile_cache_dir),
   )

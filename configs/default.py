@@ -75,4 +75,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 0  # 0: at the end of every epoch.
   config.keep_checkpoints = 3
   config.progress_bar = True
+  # JAX's persistent compilation cache, so that a second run starts warm:
+  # "auto" = $XDG_CACHE_HOME/jaxmp/jit (~/.cache/jaxmp/jit), a path, or ""
+  # for off. A cache directory set through JAX itself
+  # (JAX_COMPILATION_CACHE_DIR) takes precedence.
+  config.compile_cache_dir = "auto"
   return config

@@ -173,6 +173,9 @@ def test_device_resident_and_host_stream_see_the_same_batches(
   # Only the summation order differs: fp32 noise of a 256-example mean. A
   # wrong batch (other examples, shifted labels) moves the loss by > 1e-2.
   for ra, rb in zip(a, b):
+    pass
+  for ra, rb in zip(a, b):
+    print("DIFF", ra["step"], abs(rb["loss"] - ra["loss"]) / ra["loss"])
     assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4)
   assert dev["test_loss"] == pytest.approx(host["test_loss"], rel=1e-3)
 
@@ -181,12 +184,12 @@ def test_one_device_and_four_devices_agree(
   make_config, data_dir, tiny_data, tmp_path
 ):
   one = loop.train_and_evaluate(
-    make_config(data_dir, num_devices=1, policy="O0"),
+    make_config(data_dir, num_devices=1, policy="O0", num_train_steps=3),
     str(tmp_path / "1"),
     data=tiny_data,
   )
   four = loop.train_and_evaluate(
-    make_config(data_dir, num_devices=4, policy="O0"),
+    make_config(data_dir, num_devices=4, policy="O0", num_train_steps=3),
     str(tmp_path / "4"),
     data=tiny_data,
   )
@@ -194,9 +197,13 @@ def test_one_device_and_four_devices_agree(
   # The same batches; only the order of the cross-device sums differs.
   a = read_jsonl(os.path.join(tmp_path, "1", "steps.jsonl"))
   b = read_jsonl(os.path.join(tmp_path, "4", "steps.jsonl"))
+  # Over 3 steps: on this tiny net the reduction-order differences grow
+  # about tenfold per step (measured on an AMD EPYC: 0, 9e-8, 3e-7, 5e-6,
+  # 3e-4, 3e-3 over steps 1-6), so later steps say nothing about parallelism.
+  assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
   for ra, rb in zip(a, b):
-    assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4), (ra, rb)
-  assert four["test_loss"] == pytest.approx(one["test_loss"], rel=1e-3)
+    assert rb["loss"] == pytest.approx(ra["loss"], rel=2e-5), (ra, rb)
+  assert four["test_loss"] == pytest.approx(one["test_loss"], rel=1e-4)
 
 
 def test_cifar10_under_mock_data(make_config, tmp_path, monkeypatch):
