@@ -1,0 +1,164 @@
+"""Seconds from the command to the first training step: train.py vs PyTorch.
+
+Run: ``pip install -e .[dev,bench]``, then
+``python bench/time_to_first_step.py`` (about 4 minutes on 2 cores).
+
+For ``configs/smoke.py`` and ``configs/seed.py`` it launches ``train.py``
+three times: with an empty persistent compilation cache (cold), then twice
+with the cache that the cold run filled (warm). It times each from the
+launch to the line the app prints when its first step is done (imports,
+data, model init, compile, one step), then stops the process. The seed's
+PyTorch script is timed the same way: ``import torch``, torchvision's
+ResNet18 (``bench/_torch_resnet.py``'s copy when torchvision does not
+import), SGD 0.1/0.9, the first batch of 128 normalised images, one step.
+
+No CIFAR10 offline: the seed job reads the synthetic set here
+(``--config.dataset=synthetic``, 10,000 train images, prepared once before
+the timing, as CIFAR10 would be downloaded once), and the torch script
+normalises an in-memory array of the same size. The torch side pays no data
+loading from disk, so the comparison flatters torch slightly.
+
+The last line is ``seed_first_step_warm_over_torch: X`` (median warm run).
+"""
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MARK_JAX = "First step done"
+MARK_TORCH = "FIRST_STEP_DONE"
+TIMEOUT_S = 600
+
+TORCH_SEED = """
+import sys, time
+import numpy as np
+import torch
+sys.path.insert(0, {bench!r})
+import _torch_resnet
+torch.manual_seed(0)
+net = _torch_resnet.torchvision_resnet18(num_classes=10)
+opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+images = np.random.default_rng(0).integers(0, 256, (10000, 3, 32, 32), np.uint8)
+x = (torch.from_numpy(images[:128]).float() / 255 - 0.5) / 0.5
+y = torch.from_numpy(np.random.default_rng(1).integers(0, 10, 128))
+net.train()
+opt.zero_grad()
+torch.nn.functional.cross_entropy(net(x), y).backward()
+opt.step()
+print({mark!r}, flush=True)
+"""
+
+
+def time_until(cmd: list[str], mark: str, env: dict) -> float:
+  """Seconds from launching ``cmd`` until it prints a line containing mark."""
+  start = time.time()
+  proc = subprocess.Popen(
+    cmd,
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  lines = []
+  try:
+    for line in proc.stdout:
+      lines.append(line)
+      if mark in line:
+        return time.time() - start
+      if time.time() - start > TIMEOUT_S:
+        break
+  finally:
+    proc.kill()
+    proc.wait()
+  raise RuntimeError(
+    f"{' '.join(cmd)} never printed {mark!r}:\n" + "".join(lines[-20:])
+  )
+
+
+def main() -> None:
+  """Times both configs cold and warm, and the torch seed script."""
+  tmp = tempfile.mkdtemp(prefix="ttfs-")
+  env = {
+    k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"
+  }
+  env.update(TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+  data_dir = os.path.join(tmp, "tfds")
+  jobs = {
+    "smoke": ["--config=configs/smoke.py"],
+    "seed": [
+      "--config=configs/seed.py",
+      "--config.dataset=synthetic",
+      "--config.synthetic_train_examples=10000",
+      "--config.synthetic_test_examples=1000",
+    ],
+  }
+  common = [f"--config.data_dir={data_dir}", "--config.progress_bar=False"]
+  # Prepare the synthetic sets once, outside the timing, with the cache off.
+  for name, args in jobs.items():
+    time_until(
+      [
+        sys.executable,
+        "train.py",
+        *args,
+        *common,
+        f"--workdir={os.path.join(tmp, 'prep-' + name)}",
+        "--config.compile_cache_dir=",
+      ],
+      MARK_JAX,
+      env,
+    )
+  rows, results = [], {}
+  for name, args in jobs.items():
+    cache = os.path.join(tmp, "jit-" + name)
+    runs = []
+    for i in range(3):
+      runs.append(
+        time_until(
+          [
+            sys.executable,
+            "train.py",
+            *args,
+            *common,
+            f"--workdir={os.path.join(tmp, f'{name}-{i}')}",
+            f"--config.compile_cache_dir={cache}",
+          ],
+          MARK_JAX,
+          env,
+        )
+      )
+    results[name] = runs
+    rows.append((f"train.py {name} cold", runs[0]))
+    rows.append((f"train.py {name} warm", statistics.median(runs[1:])))
+  script = TORCH_SEED.format(bench=os.path.join(ROOT, "bench"), mark=MARK_TORCH)
+  torch_runs = [
+    time_until([sys.executable, "-c", script], MARK_TORCH, env)
+    for _ in range(2)
+  ]
+  rows.append(("PyTorch seed script", statistics.median(torch_runs)))
+  shutil.rmtree(tmp, ignore_errors=True)
+  print(f"{'job':<28} {'seconds to first step':>22}")
+  for label, seconds in rows:
+    print(f"{label:<28} {seconds:>22.1f}")
+  print(
+    "runs:",
+    {k: [round(v, 1) for v in r] for k, r in results.items()},
+    "torch:",
+    [round(v, 1) for v in torch_runs],
+  )
+  warm = statistics.median(results["seed"][1:])
+  print(
+    f"seed_first_step_cold_over_torch: {results['seed'][0] / statistics.median(torch_runs):.2f}"
+  )
+  print(
+    f"seed_first_step_warm_over_torch: {warm / statistics.median(torch_runs):.2f}"
+  )
+
+
+if __name__ == "__main__":
+  main()
