@@ -1,0 +1,324 @@
+"""Where a CPU train step's time goes, per op, JAX against PyTorch.
+
+Run: ``pip install -e .[bench]`` (torch 2.13.0), then
+``python bench/cpu_ops.py`` (about 5 minutes on 2 cores; ``BENCH_REPS``,
+``BENCH_BATCH``, ``BENCH_MODELS=cifar,torchvision`` to change it).
+
+For every distinct convolution of both ResNet18s (the CIFAR-stem
+``jaxmp.models.resnet18`` and ``resnet18_torchvision``, 64 filters, 32x32
+inputs, batch 128, fp32) it times the forward, the input gradient and the
+kernel gradient, as the models compute them on CPU
+(``jaxmp.nn.conv_general_dilated``: XLA's forward and input gradient,
+per-tap matmul kernel gradients), against ``torch.nn.functional.conv2d``,
+``torch.nn.grad.conv2d_input`` and ``conv2d_weight``; then the torchvision
+stem's 3x3/2 max-pool and its gradient, BatchNorm (``jaxmp.nn.BatchNorm``,
+train mode) forward and forward+backward at each stage's shape, and the
+SGD-momentum update of 11.2M params. JAX is jitted; torch runs on all cores.
+Repetitions are interleaved (JAX, torch, JAX, ...) and each time is a
+median, so that load on a shared machine hits both sides alike.
+
+The last line is the slowest op's JAX/torch ratio among those that take at
+least 5% of the torch step (``worst_op_jax_over_torch``).
+"""
+
+import functools
+import os
+import statistics
+import sys
+import time
+
+import flax.linen as nn
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+
+from jaxmp import nn as jaxmp_nn
+
+REPS = int(os.environ.get("BENCH_REPS", "5"))
+BATCH = int(os.environ.get("BENCH_BATCH", "128"))
+MODELS = os.environ.get("BENCH_MODELS", "cifar,torchvision").split(",")
+_DN = ("NHWC", "HWIO", "NHWC")
+
+# (model, name, input size, in channels, out channels, kernel, stride, pad)
+CONVS = {
+  "cifar": (
+    ("stem 3x3", 32, 3, 64, 3, 1, 1),
+    ("stage1 3x3", 32, 64, 64, 3, 1, 1),
+    ("stage2 3x3/2", 32, 64, 128, 3, 2, 1),
+    ("stage2 3x3", 16, 128, 128, 3, 1, 1),
+    ("stage2 1x1/2", 32, 64, 128, 1, 2, 0),
+    ("stage3 3x3/2", 16, 128, 256, 3, 2, 1),
+    ("stage3 3x3", 8, 256, 256, 3, 1, 1),
+    ("stage3 1x1/2", 16, 128, 256, 1, 2, 0),
+    ("stage4 3x3/2", 8, 256, 512, 3, 2, 1),
+    ("stage4 3x3", 4, 512, 512, 3, 1, 1),
+    ("stage4 1x1/2", 8, 256, 512, 1, 2, 0),
+  ),
+  "torchvision": (
+    ("stem 7x7/2", 32, 3, 64, 7, 2, 3),
+    ("stage1 3x3", 8, 64, 64, 3, 1, 1),
+    ("stage2 3x3/2", 8, 64, 128, 3, 2, 1),
+    ("stage2 3x3", 4, 128, 128, 3, 1, 1),
+    ("stage2 1x1/2", 8, 64, 128, 1, 2, 0),
+    ("stage3 3x3/2", 4, 128, 256, 3, 2, 1),
+    ("stage3 3x3", 2, 256, 256, 3, 1, 1),
+    ("stage3 1x1/2", 4, 128, 256, 1, 2, 0),
+    ("stage4 3x3/2", 2, 256, 512, 3, 2, 1),
+    ("stage4 3x3", 1, 512, 512, 3, 1, 1),
+    ("stage4 1x1/2", 2, 256, 512, 1, 2, 0),
+  ),
+}
+# How often each conv runs in one forward pass of the model.
+COUNT = {
+  "stem": 1,
+  "stage1 3x3": 4,
+  "3x3/2": 1,
+  "stage2 3x3": 3,
+  "stage3 3x3": 3,
+  "stage4 3x3": 3,
+  "1x1/2": 1,
+}
+BN = {
+  "cifar": ((32, 64, 5), (16, 128, 5), (8, 256, 5), (4, 512, 5)),
+  "torchvision": (
+    (16, 64, 1),
+    (8, 64, 4),
+    (4, 128, 5),
+    (2, 256, 5),
+    (1, 512, 5),
+  ),
+}
+
+
+def _count(name: str) -> int:
+  for key, n in COUNT.items():
+    if key in name:
+      return n
+  return 1
+
+
+def _timed(pairs: dict, reps: int) -> dict:
+  """{name: (jax_fn, torch_fn)} -> {name: (jax_s, torch_s)}, interleaved."""
+  for fj, ft in pairs.values():
+    fj(), ft()
+  times = {k: ([], []) for k in pairs}
+  for r in range(reps):
+    for k, (fj, ft) in pairs.items():
+      order = ((0, fj), (1, ft)) if r % 2 == 0 else ((1, ft), (0, fj))
+      for i, fn in order:
+        t = time.perf_counter()
+        fn()
+        times[k][i].append(time.perf_counter() - t)
+  return {
+    k: (statistics.median(a), statistics.median(b))
+    for k, (a, b) in times.items()
+  }
+
+
+def conv_pairs(size, cin, cout, k, stride, pad) -> dict:
+  """Forward, input gradient and kernel gradient of one convolution."""
+  rng = np.random.default_rng(0)
+  out = (size + 2 * pad - k) // stride + 1
+  x = rng.standard_normal((BATCH, size, size, cin), np.float32)
+  w = rng.standard_normal((k, k, cin, cout), np.float32) * 0.05
+  dy = rng.standard_normal((BATCH, out, out, cout), np.float32)
+  jx, jw, jdy = map(jnp.asarray, (x, w, dy))
+  padding = ((pad, pad), (pad, pad))
+
+  def conv(x, w):
+    return jaxmp_nn.conv_general_dilated(
+      x, w, (stride, stride), padding, dimension_numbers=_DN
+    )
+
+  fwd = jax.jit(conv)
+  dx = jax.jit(lambda x, w, dy: jax.vjp(lambda x: conv(x, w), x)[1](dy)[0])
+  dw = jax.jit(lambda x, w, dy: jax.vjp(lambda w: conv(x, w), w)[1](dy)[0])
+  # The rewrite is exact against lax (tests/test_conv.py); check the shapes.
+  want = lax.conv_general_dilated(
+    jx, jw, (stride, stride), padding, dimension_numbers=_DN
+  )
+  assert fwd(jx, jw).shape == want.shape == jdy.shape
+  tx = torch.from_numpy(x.transpose(0, 3, 1, 2).copy())
+  tw = torch.from_numpy(w.transpose(3, 2, 0, 1).copy())
+  tdy = torch.from_numpy(dy.transpose(0, 3, 1, 2).copy())
+  F = torch.nn.functional
+  return {
+    "forward": (
+      lambda: fwd(jx, jw).block_until_ready(),
+      lambda: F.conv2d(tx, tw, stride=stride, padding=pad),
+    ),
+    "input grad": (
+      lambda: dx(jx, jw, jdy).block_until_ready(),
+      lambda: torch.nn.grad.conv2d_input(
+        tx.shape, tw, tdy, stride=stride, padding=pad
+      ),
+    ),
+    "kernel grad": (
+      lambda: dw(jx, jw, jdy).block_until_ready(),
+      lambda: torch.nn.grad.conv2d_weight(
+        tx, tw.shape, tdy, stride=stride, padding=pad
+      ),
+    ),
+  }
+
+
+def maxpool_pairs() -> dict:
+  """The torchvision stem's 3x3 stride-2 max-pool, 16x16x64 -> 8x8x64."""
+  x = np.random.default_rng(0).standard_normal((BATCH, 16, 16, 64), np.float32)
+  dy = np.random.default_rng(1).standard_normal((BATCH, 8, 8, 64), np.float32)
+  jx, jdy = jnp.asarray(x), jnp.asarray(dy)
+  pool = lambda x: nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1),) * 2)
+  fwd = jax.jit(pool)
+  bwd = jax.jit(lambda x, dy: jax.vjp(pool, x)[1](dy)[0])
+  tx = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()).requires_grad_()
+  tdy = torch.from_numpy(dy.transpose(0, 3, 1, 2).copy())
+  tpool = torch.nn.MaxPool2d(3, 2, 1)
+
+  def torch_bwd():
+    tx.grad = None
+    tpool(tx).backward(tdy)
+
+  return {
+    "max-pool forward": (
+      lambda: fwd(jx).block_until_ready(),
+      lambda: tpool(tx.detach()),
+    ),
+    "max-pool fwd+grad": (
+      lambda: bwd(jx, jdy).block_until_ready(),
+      torch_bwd,
+    ),
+  }
+
+
+def bn_pairs(size: int, channels: int) -> dict:
+  """Train-mode BatchNorm + ReLU forward, and forward + backward."""
+  x = np.random.default_rng(0).standard_normal(
+    (BATCH, size, size, channels), np.float32
+  )
+  jx = jnp.asarray(x)
+  bn = jaxmp_nn.BatchNorm(use_running_average=False, momentum=0.9)
+  variables = bn.init(jax.random.key(0), jx)
+  params, stats = variables["params"], variables["batch_stats"]
+
+  def f(params, x):
+    y, _ = bn.apply(
+      {"params": params, "batch_stats": stats},
+      x,
+      relu=True,
+      mutable=["batch_stats"],
+    )
+    return y
+
+  fwd = jax.jit(f)
+  grad = jax.jit(jax.grad(lambda p, x: jnp.sum(f(p, x) ** 2), argnums=(0, 1)))
+  tbn = torch.nn.BatchNorm2d(channels).train()
+  tx = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()).requires_grad_()
+
+  def torch_fb():
+    tx.grad = None
+    tbn.zero_grad(set_to_none=True)
+    (torch.relu(tbn(tx)) ** 2).sum().backward()
+
+  def torch_f():
+    with torch.no_grad():
+      torch.relu(tbn(tx))
+
+  return {
+    "BN+ReLU forward": (lambda: fwd(params, jx).block_until_ready(), torch_f),
+    "BN+ReLU fwd+bwd": (
+      lambda: jax.block_until_ready(grad(params, jx)),
+      torch_fb,
+    ),
+  }
+
+
+def update_pairs() -> dict:
+  """SGD momentum 0.9 on 11.2M fp32 params, donated state."""
+  n = 11_173_962
+  rng = np.random.default_rng(0)
+  p = rng.standard_normal(n, np.float32)
+  g = rng.standard_normal(n, np.float32) * 1e-3
+  opt = optax.sgd(0.1, momentum=0.9)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(p, s, g):
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  holder = {"p": jnp.asarray(p), "g": jnp.asarray(g)}
+  holder["s"] = opt.init(holder["p"])
+
+  def jax_fn():
+    holder["p"], holder["s"] = step(holder["p"], holder["s"], holder["g"])
+    jax.block_until_ready(holder["p"])
+
+  tp = torch.nn.Parameter(torch.from_numpy(p.copy()))
+  tp.grad = torch.from_numpy(g.copy())
+  sgd = torch.optim.SGD([tp], lr=0.1, momentum=0.9)
+  return {"SGD-momentum update": (jax_fn, sgd.step)}
+
+
+def main():
+  torch.set_num_threads(os.cpu_count())
+  cpu = "unknown CPU"
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next(l.split(":", 1)[1].strip() for l in f if "model name" in l)
+  except (OSError, StopIteration):
+    pass
+  print(
+    f"jax {jax.__version__}, torch {torch.__version__}, {os.cpu_count()} "
+    f"cpus, {cpu}; batch {BATCH}, fp32, {REPS} interleaved reps, median"
+  )
+  print(
+    f"{'model':<12}{'op':<36}{'x/step':>7}{'jax ms':>9}{'torch ms':>10}"
+    f"{'jax/torch':>10}"
+  )
+  worst = (0.0, "")
+  for model in MODELS:
+    rows = []
+    for name, size, cin, cout, k, stride, pad in CONVS[model]:
+      for op, t in _timed(
+        conv_pairs(size, cin, cout, k, stride, pad), REPS
+      ).items():
+        rows.append((f"conv {name} {size}px {op}", _count(name), *t))
+    if model == "torchvision":
+      for op, t in _timed(maxpool_pairs(), REPS).items():
+        rows.append((op, 1, *t))
+    for size, channels, n in BN[model]:
+      for op, t in _timed(bn_pairs(size, channels), REPS).items():
+        rows.append((f"{op} {size}x{size}x{channels}", n, *t))
+    for op, t in _timed(update_pairs(), REPS).items():
+      rows.append((op, 1, *t))
+    # A step: every conv's forward, input and kernel gradient; the pool's
+    # and BatchNorm's forward+backward (their forward rows are included in
+    # those); the update.
+    in_step = [
+      not op.startswith(("max-pool forward", "BN+ReLU forward"))
+      for op, *_ in rows
+    ]
+    total_torch = sum(r[1] * r[3] for r, i in zip(rows, in_step) if i)
+    total_jax = sum(r[1] * r[2] for r, i in zip(rows, in_step) if i)
+    for (op, n, tj, tt), i in zip(rows, in_step):
+      print(
+        f"{model:<12}{op:<36}{n:>7}{tj * 1e3:>9.1f}{tt * 1e3:>10.1f}"
+        f"{tj / tt:>10.2f}",
+        flush=True,
+      )
+      if i and n * tt >= 0.05 * total_torch and tj / tt > worst[0]:
+        worst = (tj / tt, f"{model} {op}")
+    print(
+      f"{model:<12}{'sum over one step':<36}{'':>7}"
+      f"{total_jax * 1e3:>9.0f}{total_torch * 1e3:>10.0f}"
+      f"{total_jax / total_torch:>10.2f}",
+      flush=True,
+    )
+  print(f"worst op: {worst[1]}")
+  print(f"worst_op_jax_over_torch: {worst[0]:.2f}")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
