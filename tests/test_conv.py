@@ -23,8 +23,16 @@ class TapKernelGradTest(parameterized.TestCase):
     ("7x7_s2_imagenet_stem", 2, 15, 3, 4, 7, 2, 3, f32),
     ("fp16", 4, 8, 4, 4, 3, 1, 1, f16),
     ("grouped_products", 64, 8, 2, 2, 3, 1, 1, f32),
+    # At most 4 output pixels: one im2col product on CPU.
+    ("im2col_2x2_s1", 4, 2, 6, 5, 3, 1, 1, f32),
+    ("im2col_1x1_map", 4, 1, 6, 5, 3, 1, 1, f32),
+    ("im2col_4x4_s2", 3, 4, 5, 7, 3, 2, 1, f32),
+    ("im2col_1x1_kernel_s2", 2, 3, 4, 6, 1, 2, 0, f32),
+    ("im2col_fp16", 4, 2, 6, 5, 3, 1, 1, f16),
   )
-  def test_gradients_match_lax(self, n, size, cin, cout, k, s, pad, dtype):
+  def test_output_and_gradients_match_lax(
+    self, n, size, cin, cout, k, s, pad, dtype
+  ):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((n, size, size, cin)), dtype)
     w = jnp.asarray(rng.standard_normal((k, k, cin, cout)) * 0.1, dtype)
@@ -35,12 +43,12 @@ class TapKernelGradTest(parameterized.TestCase):
       y = fn(x, w, *args, dimension_numbers=dn).astype(f32)
       return jnp.sum(jnp.sin(y))
 
-    ours = jax.jit(
-      jax.grad(functools.partial(loss, conv.conv_general_dilated), (0, 1))
-    )(x, w)
-    ref = jax.jit(
-      jax.grad(functools.partial(loss, jax.lax.conv_general_dilated), (0, 1))
-    )(x, w)
+    def outputs(fn):
+      grads = jax.grad(functools.partial(loss, fn), (0, 1))(x, w)
+      return (fn(x, w, *args, dimension_numbers=dn), *grads)
+
+    ours = jax.jit(lambda: outputs(conv.conv_general_dilated))()
+    ref = jax.jit(lambda: outputs(jax.lax.conv_general_dilated))()
     # Each gradient element is a sum of products; both sides may order the
     # sum differently, so bound the difference by a few ulps of the sum of
     # the products' magnitudes (the same gradient of |x|, |w| and |dy|).
@@ -50,6 +58,7 @@ class TapKernelGradTest(parameterized.TestCase):
       a, b, *args, dimension_numbers=dn
     )
     mass = (
+      conv_at(jnp.abs(x), jnp.abs(w)),
       jax.vjp(lambda a: conv_at(a, jnp.abs(w)), x)[1](abs_dy)[0],
       jax.vjp(lambda b: conv_at(jnp.abs(x), b), w)[1](abs_dy)[0],
     )
@@ -84,3 +93,29 @@ class TapKernelGradTest(parameterized.TestCase):
       feature_group_count=2,
     )
     np.testing.assert_array_equal(got, want)
+
+
+def _conv_hlo(size: int, platform: str) -> str:
+  """StableHLO of the conv's value and gradients, exported for a platform."""
+  x = jax.ShapeDtypeStruct((2, size, size, 8), f32)
+  w = jax.ShapeDtypeStruct((3, 3, 8, 8), f32)
+
+  def f(x, w):
+    fn = lambda x, w: conv.conv_general_dilated(
+      x, w, (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    y, vjp = jax.vjp(fn, x, w)
+    return y, *vjp(y)
+
+  exported = jax.export.export(jax.jit(f), platforms=[platform])(x, w)
+  return exported.mlir_module()
+
+
+def test_cpu_rewrites_stay_off_other_platforms():
+  # CPU: a 2x2 map is one im2col product, no convolution at all; a larger
+  # map keeps XLA's forward and input gradient but not its kernel gradient.
+  assert "convolution" not in _conv_hlo(2, "cpu")
+  assert _conv_hlo(8, "cpu").count("stablehlo.convolution") == 2
+  # GPU: lax's convolutions only (forward, input and kernel gradient).
+  for size in (2, 8):
+    assert _conv_hlo(size, "cuda").count("stablehlo.convolution") == 3

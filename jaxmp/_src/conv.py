@@ -10,6 +10,10 @@ gradient is a sum over kernel taps of one matrix product each::
                x_padded[n, s*y + i, s*x + j, :]^T  dy[n, y, x, :]
 
 which XLA:CPU runs at the speed of its matrix multiply (0.2-0.4 s there).
+On maps of at most 4 output pixels (the last stages of the torchvision
+ResNet18 on 32x32 images) XLA:CPU's convolutions themselves are 10-40x
+slower than a matrix product: there the whole convolution, forward and
+gradients, is one im2col product (`conv_by_im2col`).
 `conv_general_dilated` is ``lax.conv_general_dilated`` (pass it to
 ``flax.linen.Conv(conv_general_dilated=...)``) with that kernel gradient on
 CPU; on other platforms, and for convolutions it does not cover (dilation,
@@ -26,6 +30,9 @@ from jax import lax
 import jax.numpy as jnp
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
+# Convolutions with at most this many output pixels per image run as one
+# im2col matrix product on CPU (measured in bench/cpu_ops.py).
+_IM2COL_PIXELS = 4
 # Above this many rows of the contraction per kernel element, the taps are
 # split into independent batched products, which XLA:CPU runs in parallel.
 _GROUP_ROWS = 16
@@ -70,9 +77,80 @@ def conv_general_dilated(
       preferred_element_type,
     )
   padding = tuple((int(lo), int(hi)) for lo, hi in padding)
-  return _conv(
-    lhs, rhs, tuple(int(s) for s in window_strides), padding, precision
+  strides = tuple(int(s) for s in window_strides)
+  if _output_pixels(lhs.shape, rhs.shape, strides, padding) <= _IM2COL_PIXELS:
+    return lax.platform_dependent(
+      lhs,
+      rhs,
+      cpu=functools.partial(
+        conv_by_im2col, strides=strides, padding=padding, precision=precision
+      ),
+      default=lambda x, w: _lax_conv(x, w, strides, padding, precision),
+    )
+  return _conv(lhs, rhs, strides, padding, precision)
+
+
+def _output_pixels(lhs_shape, rhs_shape, strides, padding) -> int:
+  pixels = 1
+  for size, k, s, (lo, hi) in zip(
+    lhs_shape[1:3], rhs_shape[:2], strides, padding
+  ):
+    pixels *= max((size + lo + hi - k) // s + 1, 0)
+  return pixels
+
+
+def conv_by_im2col(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  *,
+  strides: Sequence[int],
+  padding: Sequence[tuple[int, int]],
+  precision: Optional[lax.Precision] = None,
+) -> jax.Array:
+  """An NHWC/HWIO convolution as one matrix product (im2col).
+
+  The ``kh * kw`` strided windows of the padded input are laid side by side
+  into ``[n * ho * wo, kh * kw * c]`` and multiplied by the kernel reshaped to
+  ``[kh * kw * c, o]``, accumulating in fp32. Its gradients are JAX's own:
+  matrix products, and pads for the windows' transposes. On maps of a few
+  pixels XLA:CPU's convolution is 10-40x slower than this product (2x2 and
+  1x1 maps of 256-512 channels, the last stages of the torchvision ResNet18
+  on 32x32 images: ``bench/cpu_ops.py``); on larger maps it is faster.
+
+  Args:
+    lhs: ``[n, h, w, c]``.
+    rhs: ``[kh, kw, c, o]``.
+    strides: the window strides.
+    padding: ``((lo, hi), (lo, hi))``, explicit.
+    precision: passed to the matrix product.
+
+  Returns:
+    ``[n, ho, wo, o]`` in ``lhs``'s dtype.
+  """
+  kh, kw, c, o = rhs.shape
+  n = lhs.shape[0]
+  sh, sw = strides
+  x = jnp.pad(lhs, ((0, 0), tuple(padding[0]), tuple(padding[1]), (0, 0)))
+  ho = (x.shape[1] - kh) // sh + 1
+  wo = (x.shape[2] - kw) // sw + 1
+  windows = [
+    lax.slice(
+      x,
+      (0, i, j, 0),
+      (n, i + sh * (ho - 1) + 1, j + sw * (wo - 1) + 1, c),
+      (1, sh, sw, 1),
+    )
+    for i in range(kh)
+    for j in range(kw)
+  ]
+  cols = jnp.concatenate(windows, axis=-1).reshape(n * ho * wo, kh * kw * c)
+  y = jnp.matmul(
+    cols,
+    rhs.reshape(kh * kw * c, o),
+    precision=precision,
+    preferred_element_type=jnp.float32,
   )
+  return y.reshape(n, ho, wo, o).astype(lhs.dtype)
 
 
 def _is_nhwc(lhs, rhs, dimension_numbers) -> bool:
