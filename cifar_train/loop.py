@@ -241,7 +241,11 @@ def train(
         writer.log_step(
           step,
           mesh_lib.to_host(
-            {**jaxmp.stats(state.opt_state), "loss": metrics["last_loss"]}
+            {
+              **jaxmp.stats(state.opt_state),
+              "loss": metrics["last_loss"],
+              "accuracy": metrics["correct"] / metrics["count"],
+            }
           ),
         )
       if ckpt_lib.should_save(

@@ -1,7 +1,7 @@
 """What a run shows and writes: progress bar, epoch lines, metrics, plots.
 
 Only process 0 writes. Files in ``workdir``: ``metrics.jsonl`` (one JSON object
-per epoch), ``steps.jsonl`` (loss, loss scale and skips on log steps),
+per epoch), ``steps.jsonl`` (loss, accuracy so far, loss scale and skips on log steps),
 ``summary.json``, TensorBoard event files under ``tb/`` and ``plots.png``.
 """
 
@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Optional
 
 import jax
 
@@ -52,15 +52,15 @@ class Reporter:
     self.num_devices = num_devices
     self.is_main = jax.process_index() == 0
     self.history: list[dict[str, Any]] = []
-    self.scales: list[tuple[int, float]] = []
+    self.steps: list[dict[str, Any]] = []
     self._bar = None
     self._tb = None
     if not self.is_main:
       return
     path = os.path.join(workdir, "metrics.jsonl")
-    if os.path.exists(path):  # Resumed run: keep what earlier runs logged.
-      with open(path) as f:
-        self.history = [json.loads(line) for line in f if line.strip()]
+    # A resumed run keeps what earlier runs logged.
+    self.history = _read_jsonl(path)
+    self.steps = _read_jsonl(os.path.join(workdir, "steps.jsonl"))
     if progress_bar:
       import tqdm  # pylint: disable=g-import-not-at-top
 
@@ -85,28 +85,67 @@ class Reporter:
       if step % 10 == 0:
         self._bar.refresh()
 
-  def log_step(self, step: int, stats: dict) -> None:
-    """Records a log step: loss, loss scale, skips (steps.jsonl, TensorBoard)."""
+  def log_step(
+    self, step: int, stats: dict, worst_leaf: Optional[tuple[str, int]] = None
+  ) -> None:
+    """Records a log step in steps.jsonl and TensorBoard.
+
+    When steps were skipped since the previous log step, also prints one
+    line: how many, the loss scale before and after, and, with diagnostics
+    on, the leaf with the most non-finite gradient elements.
+
+    Args:
+      step: the global step.
+      stats: `jaxmp.stats` plus ``loss`` (the last step's) and ``accuracy``
+        (the epoch's so far), fetched to the host.
+      worst_leaf: ``(path, non-finite count)`` of the last skipped step's
+        worst leaf (`jaxmp.overflow_report`), or None.
+    """
     if not self.is_main:
       return
     scale = float(stats["loss_scale"])
-    self.scales.append((step, scale))
+    skipped = int(stats["skipped_steps"])
     if self._bar is not None:
-      self._bar.set_postfix(
-        scale=f"{scale:g}", skipped=int(stats["skipped_steps"])
-      )
+      self._bar.set_postfix(scale=f"{scale:g}", skipped=skipped)
+    last = self.steps[-1] if self.steps else None
+    prev_step = last["step"] if last else 0
+    prev_skipped = last["skipped_steps"] if last else 0
     record = {
       "step": step,
       "loss": float(stats["loss"]),
+      "train_accuracy": float(stats.get("accuracy", float("nan"))),
       "loss_scale": scale,
-      "skipped_steps": int(stats["skipped_steps"]),
+      "skipped_steps": skipped,
+      "skipped_since_last_log": skipped - prev_skipped,
     }
+    if record["skipped_since_last_log"] > 0:
+      before = last["loss_scale"] if last else float("nan")
+      line = (
+        f"Step {step}: skipped {record['skipped_since_last_log']} of steps "
+        f"{prev_step + 1}-{step}, loss scale {before:g} -> {scale:g}"
+      )
+      if worst_leaf is not None:
+        record["worst_leaf"], record["worst_leaf_nonfinite"] = worst_leaf
+        line += f"; worst leaf {worst_leaf[0]}: {worst_leaf[1]} non-finite"
+      self._write_line(line)
+      if self._tb is not None:
+        self._tb.add_text("skipped", line, step)
+    self.steps.append(record)
     with open(os.path.join(self.workdir, "steps.jsonl"), "a") as f:
       f.write(json.dumps(record) + "\n")
     if self._tb is not None:
       self._tb.add_scalar("train_loss_step", record["loss"], step)
       self._tb.add_scalar("loss_scale", scale, step)
-      self._tb.add_scalar("skipped_steps", record["skipped_steps"], step)
+      self._tb.add_scalar("skipped_steps", skipped, step)
+      self._tb.add_scalar(
+        "skipped_since_last_log", record["skipped_since_last_log"], step
+      )
+
+  def _write_line(self, line: str) -> None:
+    if self._bar is not None:
+      self._bar.write(line)
+    else:
+      print(line, flush=True)
 
   def log_epoch(
     self,
@@ -142,10 +181,7 @@ class Reporter:
       f"{images_per_sec:,.0f} img/s on {self.num_devices} device(s), "
       f"loss scale {loss_scale:g}, skipped {skipped_steps}"
     )
-    if self._bar is not None:
-      self._bar.write(line)
-    else:
-      print(line, flush=True)
+    self._write_line(line)
     with open(os.path.join(self.workdir, "metrics.jsonl"), "a") as f:
       f.write(json.dumps(record) + "\n")
     if self._tb is not None:
@@ -179,25 +215,46 @@ class Reporter:
       self._tb.close()
     self.plot()
 
+  def plot_series(self) -> dict[str, tuple[list, list]]:
+    """What `plot` draws: ``{name: (steps, values)}``.
+
+    ``train_loss``/``train_accuracy``: a point per log step (that step's
+    loss, the epoch's accuracy so far); ``test_loss``/``test_accuracy``: one
+    per epoch; ``loss_scale`` per log step; ``skipped``: the log steps that
+    saw skipped steps, at their loss.
+    """
+    at = lambda rows, key: (
+      [r["step"] for r in rows],
+      [r.get(key, float("nan")) for r in rows],
+    )
+    skips = [r for r in self.steps if r.get("skipped_since_last_log", 0) > 0]
+    return {
+      "train_loss": at(self.steps, "loss"),
+      "train_accuracy": at(self.steps, "train_accuracy"),
+      "test_loss": at(self.history, "test_loss"),
+      "test_accuracy": at(self.history, "test_accuracy"),
+      "loss_scale": at(self.steps, "loss_scale"),
+      "skipped": at(skips, "loss"),
+    }
+
   def plot(self) -> None:
-    """Writes plots.png: loss, accuracy and loss scale against step."""
+    """Writes plots.png: loss, accuracy and loss scale (`plot_series`)."""
     import matplotlib  # pylint: disable=g-import-not-at-top
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
+    series = self.plot_series()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    steps = [r["step"] for r in self.history]
-    for key, style in (("train_loss", "o-"), ("test_loss", "s--")):
-      axes[0].plot(steps, [r[key] for r in self.history], style, label=key)
-    for key, style in (("train_accuracy", "o-"), ("test_accuracy", "s--")):
-      axes[1].plot(steps, [r[key] for r in self.history], style, label=key)
-    scale_steps = [s for s, _ in self.scales] or steps
-    scales = [v for _, v in self.scales] or [
-      r["loss_scale"] for r in self.history
-    ]
-    axes[2].step(scale_steps, scales, where="post")
+    for ax, kind in zip(axes[:2], ("loss", "accuracy")):
+      ax.plot(*series["train_" + kind], "-", lw=1, label="train, log steps")
+      ax.plot(*series["test_" + kind], "s", label="test, epochs")
+    axes[2].step(*series["loss_scale"], where="post")
     axes[2].set_yscale("log", base=2)
+    if series["skipped"][0]:
+      axes[0].plot(*series["skipped"], "rx", label="steps skipped")
+      for step in series["skipped"][0]:
+        axes[2].axvline(step, color="r", alpha=0.3, lw=1)
     for ax, title in zip(axes, ("loss", "accuracy", "loss scale")):
       ax.set_title(title)
       ax.set_xlabel("step")
@@ -209,3 +266,10 @@ class Reporter:
     fig.savefig(path + ".tmp.png", dpi=90)
     os.replace(path + ".tmp.png", path)
     plt.close(fig)
+
+
+def _read_jsonl(path: str) -> list[dict[str, Any]]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
