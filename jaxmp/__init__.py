@@ -11,9 +11,12 @@ from jaxmp._src.accessors import find_state
 from jaxmp._src.accessors import loss_scale
 from jaxmp._src.accessors import LossScaleCollapseError
 from jaxmp._src.accessors import master_params
+from jaxmp._src.accessors import NonFiniteLossError
+from jaxmp._src.accessors import overflow_report
 from jaxmp._src.accessors import rollback_if_skipped
 from jaxmp._src.accessors import scale_loss
 from jaxmp._src.accessors import stats
+from jaxmp._src.calibrate import calibrate_loss_scale
 from jaxmp._src.mixed_precision import adjust_loss_scale
 from jaxmp._src.mixed_precision import all_finite
 from jaxmp._src.mixed_precision import LossScale
@@ -30,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = (
   "adjust_loss_scale",
   "all_finite",
+  "calibrate_loss_scale",
   "check_health",
   "find_state",
   "get_policy",
@@ -42,6 +46,8 @@ __all__ = (
   "mixed_precision",
   "multi_steps",
   "MixedPrecisionState",
+  "NonFiniteLossError",
+  "overflow_report",
   "Preset",
   "PRESETS",
   "rollback_if_skipped",

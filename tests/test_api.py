@@ -25,6 +25,7 @@ PUBLIC = {
   "jaxmp": (
     "adjust_loss_scale",
     "all_finite",
+    "calibrate_loss_scale",
     "check_health",
     "find_state",
     "get_policy",
@@ -37,6 +38,8 @@ PUBLIC = {
     "mixed_precision",
     "multi_steps",
     "MixedPrecisionState",
+    "NonFiniteLossError",
+    "overflow_report",
     "Preset",
     "PRESETS",
     "rollback_if_skipped",

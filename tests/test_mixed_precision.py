@@ -595,9 +595,11 @@ class TestAccessorsAndHelpers:
     assert isinstance(ls, jmp.DynamicLossScale)
     assert float(ls.loss_scale) == 16.0 and float(ls.min_loss_scale) == 2.0
     assert sorted(jaxmp.stats(state)) == [
+      "consecutive_nonfinite_loss",
       "consecutive_skips",
       "grads_finite",
       "loss_scale",
+      "nonfinite_loss_steps",
       "skipped_steps",
     ]
 

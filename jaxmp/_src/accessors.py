@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from jaxmp._src import diagnostics as diag
 from jaxmp._src import mixed_precision as mp
 
 
@@ -24,6 +25,10 @@ def _host(x) -> np.ndarray:
 
 class LossScaleCollapseError(RuntimeError):
   """The loss scale sat at its floor while steps kept being skipped."""
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss itself was inf/NaN for many steps in a row (not an overflow)."""
 
 
 def find_state(opt_state: Any) -> mp.MixedPrecisionState:
@@ -144,8 +149,11 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     opt_state: the optax state holding a `mixed_precision` state.
 
   Returns:
-    ``{"loss_scale", "grads_finite", "skipped_steps", "consecutive_skips"}``.
-    Arrays stay on the device: fetch them with `jax.device_get` on log steps.
+    ``{"loss_scale", "grads_finite", "skipped_steps", "consecutive_skips",
+    "nonfinite_loss_steps", "consecutive_nonfinite_loss"}``; the last two
+    count steps skipped because the loss given to ``update(..., loss=)`` was
+    inf/NaN (also counted in ``skipped_steps``). Arrays stay on the device:
+    fetch them with `jax.device_get` on log steps.
   """
   state = find_state(opt_state)
   return {
@@ -153,7 +161,63 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     "grads_finite": state.grads_finite,
     "skipped_steps": state.skipped_steps,
     "consecutive_skips": state.consecutive_skips,
+    "nonfinite_loss_steps": state.nonfinite_loss_steps,
+    "consecutive_nonfinite_loss": state.consecutive_nonfinite_loss,
   }
+
+
+def overflow_report(opt_state: Any) -> diag.OverflowReport:
+  """Returns the last step's per-leaf gradient report, worst leaf first.
+
+  Needs ``jaxmp.mixed_precision(..., diagnostics=True)``. Host-side: it
+  fetches three small arrays (one entry per gradient leaf), so call it on
+  log steps or after a skipped step.
+
+  Args:
+    opt_state: the optax state holding a `mixed_precision` state (also
+      inside ``optax.chain``, `jaxmp.multi_steps`, ``inject_hyperparams`` or
+      returned from ``shard_map``).
+
+  Returns:
+    A list of rows, one per gradient leaf, sorted by ``nonfinite`` then
+    ``max_abs`` (both descending). Each row has ``path``
+    (``jax.tree_util.keystr`` form), ``nonfinite`` (int), ``max_abs``
+    (float, the largest finite ``|unscaled gradient|``) and
+    ``zero_fraction`` (float, zero-or-subnormal share of a half-precision
+    gradient; ``None`` for fp32 gradients), as attributes and as keys. Its
+    ``str`` is a short table that names the first offending leaf; its
+    ``offending`` property lists the rows with non-finite elements.
+
+  Raises:
+    ValueError: when the optimizer was built without ``diagnostics=True``.
+
+  >>> import jax.numpy as jnp, optax, jaxmp
+  >>> opt = jaxmp.mixed_precision(optax.sgd(0.1), diagnostics=True)
+  >>> params = {"a": jnp.zeros(2, jnp.float16), "b": jnp.zeros(3)}
+  >>> state = opt.init(params)
+  >>> grads = {"a": jnp.ones(2, jnp.float16), "b": jnp.array([1, jnp.nan, 2])}
+  >>> _, state = opt.update(grads, state, params)
+  >>> rows = jaxmp.overflow_report(state)
+  >>> rows[0].path, rows[0]["nonfinite"], rows[1].path
+  ("['b']", 1, "['a']")
+  """
+  state = find_state(opt_state)
+  if state.diagnostics is None:
+    raise ValueError(
+      "no gradient diagnostics in this state: build the optimizer with "
+      "jaxmp.mixed_precision(..., diagnostics=True)"
+    )
+  d = state.diagnostics
+  nonfinite, max_abs, zero = (
+    _host(d.nonfinite),
+    _host(d.max_abs),
+    _host(d.zero_fraction),
+  )
+  loss_finite = None
+  if state.consecutive_nonfinite_loss is not None:
+    loss_finite = not int(_host(state.consecutive_nonfinite_loss))
+  host = diag.GradDiagnostics(nonfinite, max_abs, zero, d.paths)
+  return diag.report(host, loss_finite=loss_finite)
 
 
 def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
@@ -183,24 +247,49 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
 
 
 def check_health(
-  opt_state: Any, step: int, max_consecutive_skips: int = 100
+  opt_state: Any,
+  step: int,
+  max_consecutive_skips: int = 100,
+  max_nonfinite_loss_steps: Optional[int] = None,
 ) -> None:
-  """Raises when the loss scale has collapsed: a host-side check for loops.
+  """Raises when training cannot recover: a host-side check for loops.
 
-  Call it on log steps (it fetches three scalars from the device). A collapse
-  is ``max_consecutive_skips`` or more skipped steps in a row with the scale
-  at its floor (a static scale always is): nan/inf that loss scaling cannot
-  fix, such as NaN in the data or a diverged model.
+  Call it on log steps (it fetches four scalars from the device). It stops
+  two things:
+
+  * a non-finite loss: ``max_nonfinite_loss_steps`` or more steps in a row
+    whose loss, given to ``update(..., loss=loss)``, was inf/NaN. The loss
+    scale is not the cause (it is left alone on those steps): bad input data
+    or a diverged model is.
+  * a collapsed loss scale: ``max_consecutive_skips`` or more steps in a row
+    skipped for non-finite gradients with the scale at its floor (a static
+    scale always is): nan/inf that loss scaling cannot fix. Without
+    ``loss=``, a NaN loss ends up here.
 
   Args:
     opt_state: the optax state holding a `mixed_precision` state.
     step: the number of steps taken so far (for the message).
     max_consecutive_skips: how many skipped steps in a row to tolerate.
+    max_nonfinite_loss_steps: how many non-finite losses in a row to
+      tolerate; ``None`` for ``max_consecutive_skips``.
 
   Raises:
+    NonFiniteLossError: naming the step range of the non-finite losses.
     LossScaleCollapseError: naming the step range and the scale.
   """
   state = find_state(opt_state)
+  if max_nonfinite_loss_steps is None:
+    max_nonfinite_loss_steps = max_consecutive_skips
+  if state.consecutive_nonfinite_loss is not None:
+    bad = int(_host(state.consecutive_nonfinite_loss))
+    if bad >= max_nonfinite_loss_steps:
+      raise NonFiniteLossError(
+        f"the loss itself was NaN/inf at steps {step - bad + 1}..{step} "
+        f"({bad} in a row): bad input data or a diverged model, not an fp16 "
+        "overflow; the steps were skipped and the loss scale was left at "
+        f"{float(_host(state.loss_scale)):g}. Check the data for NaN/inf and "
+        "lower the learning rate"
+      )
   skips, scale = (
     int(_host(state.consecutive_skips)),
     float(_host(state.loss_scale)),

@@ -40,6 +40,8 @@ import jmp
 import numpy as np
 import optax
 
+from jaxmp._src import diagnostics as diag
+
 LossScale = Union[jmp.NoOpLossScale, jmp.StaticLossScale, jmp.DynamicLossScale]
 
 _HALF = (jnp.float16, jnp.bfloat16)
@@ -79,10 +81,18 @@ class MixedPrecisionState(NamedTuple):
     loss_scale: fp32 scalar; multiply the next loss by it.
     growth_counter: int32, consecutive finite steps since the last growth
       (jmp's ``counter``, GradScaler's ``growth_tracker``).
-    grads_finite: bool, whether the last step's gradients were all finite.
-    skipped_steps: int32, how many steps were skipped since `init`.
-    consecutive_skips: int32, skipped steps in a row up to now.
+    grads_finite: bool, whether the last step was applied: its gradients
+      (and its loss, when ``update`` was given ``loss=``) were all finite.
+    skipped_steps: int32, how many steps were skipped since `init`, for
+      either reason.
+    consecutive_skips: int32, steps skipped for non-finite gradients in a row
+      up to now (a step skipped for a non-finite loss leaves it unchanged).
     config: static `LossScaleConfig` (structure, not a leaf).
+    nonfinite_loss_steps: int32, steps skipped since `init` because the loss
+      given to ``update`` was inf/NaN (``loss=``).
+    consecutive_nonfinite_loss: int32, such steps in a row up to now.
+    diagnostics: ``None``, or with ``diagnostics=True`` the last step's
+      per-leaf gradient statistics (see `jaxmp.overflow_report`).
   """
 
   inner_state: optax.OptState
@@ -93,6 +103,9 @@ class MixedPrecisionState(NamedTuple):
   skipped_steps: jax.Array
   consecutive_skips: jax.Array
   config: LossScaleConfig
+  nonfinite_loss_steps: Optional[jax.Array] = None
+  consecutive_nonfinite_loss: Optional[jax.Array] = None
+  diagnostics: Optional[diag.GradDiagnostics] = None
 
 
 def _config_from(
@@ -293,6 +306,7 @@ def mixed_precision(
   hysteresis: int = 1,
   master_weights: bool = True,
   axis_name: Optional[str] = None,
+  diagnostics: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer with FP32 master params and loss scaling.
 
@@ -335,6 +349,16 @@ def mixed_precision(
   window is skipped as a whole when any of its microbatches overflowed.
   ``MultiSteps`` inside ``mixed_precision`` is rejected by ``init``.
 
+  ``update(grads, state, params, loss=loss)`` optionally takes the step's
+  *unscaled* loss (it is not passed on to ``inner``). When the loss itself is
+  inf/NaN (bad data, a diverged model) the step is skipped but the loss-scale
+  rule does not see it: the scale, its growth counter and
+  ``consecutive_skips`` stay as they were, and the step is counted in
+  ``nonfinite_loss_steps`` instead (`jaxmp.check_health` tells the two
+  apart). Without ``loss=`` a NaN loss shows up as non-finite gradients and
+  backs the scale off, as in every other scaler. Under `jaxmp.multi_steps`
+  only the loss given with a window's last microbatch is checked.
+
   Args:
     inner: the optimizer to run on unscaled fp32 gradients and masters, e.g.
       ``optax.sgd(0.1, momentum=0.9)`` or any chain.
@@ -353,6 +377,11 @@ def mixed_precision(
       ``shard_map`` without it, device-varying gradients make the flag, the
       scale and the counters device-varying too: their ``out_specs`` must
       then be ``P(axis)``, not ``P()`` (``check_vma`` rejects ``P()``).
+    diagnostics: keep the last step's per-leaf gradient statistics in the
+      state (non-finite count, largest finite ``|unscaled gradient|``, and
+      the zero-or-subnormal fraction of half-precision gradients); read them
+      with `jaxmp.overflow_report`. ``False`` (the default) leaves the state
+      and the compiled step exactly as without it.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; extra args go to ``inner``.
@@ -367,6 +396,11 @@ def mixed_precision(
   Array([0.5, 0.5, 0.5], dtype=float16)
   """
   config, initial_scale = _config_from(loss_scale, max_loss_scale, hysteresis)
+  if not isinstance(diagnostics, (bool, np.bool_)):
+    raise TypeError(
+      f"diagnostics must be a Python bool, got {diagnostics!r}; with "
+      "optax.inject_hyperparams pass it in static_args"
+    )
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -407,9 +441,12 @@ def mixed_precision(
       skipped_steps=jnp.zeros([], jnp.int32),
       consecutive_skips=jnp.zeros([], jnp.int32),
       config=config,
+      nonfinite_loss_steps=jnp.zeros([], jnp.int32),
+      consecutive_nonfinite_loss=jnp.zeros([], jnp.int32),
+      diagnostics=diag.init_diagnostics(params) if diagnostics else None,
     )
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(grads, state, params=None, *, loss=None, **extra_args):
     if params is None:
       raise ValueError(
         "mixed_precision.update needs params: "
@@ -426,9 +463,22 @@ def mixed_precision(
       )
     if axis_name is not None:
       finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
-
     # Multiplying by the reciprocal is exact for power-of-two scales.
     inv_scale = 1.0 / scale
+    report = (
+      diag.grad_diagnostics(grads, inv_scale, axis_name)
+      if diagnostics
+      else None
+    )
+    grads_finite = finite
+    if loss is not None:
+      loss_finite = jnp.all(jnp.isfinite(jnp.asarray(loss)))
+      if axis_name is not None:
+        loss_finite = jax.lax.pmin(
+          loss_finite.astype(jnp.int32), axis_name
+        ).astype(bool)
+      finite = grads_finite & loss_finite  # The step is applied.
+
     grads = jax.tree.map(lambda g: g.astype(jnp.float32) * inv_scale, grads)
     full = _full_precision(params, state.master_params)
     inner_updates, inner_state = inner.update(
@@ -463,10 +513,20 @@ def mixed_precision(
     # From the selected masters: XLA reads them instead of redoing the step.
     updates = jax.tree.map(outer_update, params, inner_updates, masters)
 
-    skips = jnp.where(finite, 0, state.consecutive_skips + 1)
+    skips = jnp.where(grads_finite, 0, state.consecutive_skips + 1)
     new_scale, counter = adjust_loss_scale(
-      config, scale, state.growth_counter, skips, finite
+      config, scale, state.growth_counter, skips, grads_finite
     )
+    loss_steps = state.nonfinite_loss_steps
+    loss_run = state.consecutive_nonfinite_loss
+    if loss is not None:
+      # A non-finite loss says nothing about the scale: the rule skips it.
+      skips = jnp.where(loss_finite, skips, state.consecutive_skips)
+      new_scale = jnp.where(loss_finite, new_scale, scale)
+      counter = jnp.where(loss_finite, counter, state.growth_counter)
+      bad_loss = (~loss_finite).astype(jnp.int32)
+      loss_steps = loss_steps + bad_loss
+      loss_run = jnp.where(loss_finite, 0, loss_run + 1).astype(jnp.int32)
     return updates, MixedPrecisionState(
       inner_state=inner_state,
       master_params=masters,
@@ -476,6 +536,9 @@ def mixed_precision(
       skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
       consecutive_skips=skips.astype(jnp.int32),
       config=config,
+      nonfinite_loss_steps=loss_steps,
+      consecutive_nonfinite_loss=loss_run,
+      diagnostics=report,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
