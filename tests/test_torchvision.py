@@ -322,7 +322,11 @@ def _kuangliu(name):
 def _check_parity(torch, net, arch, rename=lambda n: n):
   sd = {rename(k): v.clone() for k, v in net.state_dict().items()}
   variables = models.from_torchvision(sd)
-  x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+  # 64x64 for the ImageNet stem: its last stage is 2x2 (n = 16 per channel;
+  # at 1x1, train-mode BatchNorm over 4 values amplifies rounding).
+  size = 64 if arch == "resnet18_torchvision" else 32
+  gen = torch.Generator().manual_seed(5)
+  x = torch.randn(4, 3, size, size, generator=gen)
   x_nhwc = x.numpy().transpose(0, 2, 3, 1)
 
   net.eval()
@@ -375,3 +379,133 @@ def test_pth_with_torch(tmp_path):
     8 * FILTERS,
     CLASSES,
   )
+
+
+# The app: --config.init_from.
+
+
+def _tiny_weights_file(tmp_path, make_config, data_dir, drop=None):
+  """A .safetensors state dict of the tiny job's net, kuangliu's names."""
+  from safetensors import numpy as st_numpy  # pylint: disable=g-import-not-at-top
+
+  config = make_config(data_dir)
+  model = models.get_model(
+    config.model, num_classes=10, num_filters=config.num_filters
+  )
+  variables = jax.jit(
+    lambda k: model.init(k, np.zeros((1, 32, 32, 3), "f4"), train=False)
+  )(jax.random.key(7))
+  sd = models.to_torchvision(jax.device_get(variables), arch=config.model)
+  if drop:
+    del sd[drop]
+  path = str(tmp_path / "weights.safetensors")
+  st_numpy.save_file(sd, path)
+  return path, jax.device_get(variables)
+
+
+def test_init_from_safetensors_trains_from_those_weights(
+  make_config, data_dir, tiny_data, tmp_path, capsys
+):
+  pytest.importorskip("safetensors")
+  from cifar_train import loop  # pylint: disable=g-import-not-at-top
+  from cifar_train import settings  # pylint: disable=g-import-not-at-top
+  from cifar_train import steps  # pylint: disable=g-import-not-at-top
+
+  path, variables = _tiny_weights_file(tmp_path, make_config, data_dir)
+  # lr 0 in fp32: the params stay the imported ones, bit for bit.
+  config = make_config(
+    data_dir,
+    init_from=path,
+    policy="O0",
+    learning_rate=0.0,
+    weight_decay=0.0,
+    num_train_steps=2,
+    checkpoint_every_steps=2,
+  )
+  workdir = str(tmp_path / "run")
+  summary = loop.train_and_evaluate(config, workdir, data=tiny_data)
+  assert f"Initialised params and batch_stats from {path}" in (
+    capsys.readouterr().out
+  )
+  s = settings.resolve(config)
+  optimizer = steps.create_optimizer(s.precision, 0.0, momentum=0.9)
+  params = jax.tree.map(np.asarray, variables["params"])
+  expected = steps.TrainState(
+    step=np.int32(0),
+    params=params,
+    batch_stats=variables["batch_stats"],
+    opt_state=optimizer.init(params),
+    rng=np.zeros(2, np.uint32),
+  )
+  assert summary["params_fingerprint"] == steps.params_fingerprint(expected)
+
+  # A checkpoint in the workdir takes precedence, and says so.
+  again = loop.train_and_evaluate(
+    make_config(data_dir, init_from=path, policy="O0", num_train_steps=2),
+    workdir,
+    data=tiny_data,
+  )
+  out = capsys.readouterr().out
+  assert "Not loading init_from" in out and "takes precedence" in out
+  assert "Initialised params" not in out
+  assert again["params_fingerprint"] == summary["params_fingerprint"]
+
+
+def test_init_from_casts_to_the_presets_dtypes(make_config, data_dir, tmp_path):
+  pytest.importorskip("safetensors")
+  from cifar_train import settings  # pylint: disable=g-import-not-at-top
+  from cifar_train import steps  # pylint: disable=g-import-not-at-top
+
+  path, variables = _tiny_weights_file(tmp_path, make_config, data_dir)
+  s = settings.resolve(make_config(data_dir, policy="O2", init_from=path))
+  model = steps.create_model(
+    s.model, num_classes=10, num_filters=s.num_filters, precision=s.precision
+  )
+  optimizer = steps.create_optimizer(s.precision, 0.1, momentum=0.9)
+  state = steps.create_train_state(model, optimizer, (32, 32, 3), seed=0)
+  loaded = steps.with_initial_weights(
+    state,
+    optimizer,
+    steps.load_torch_weights(
+      path, model_name=s.model, num_classes=10, num_filters=s.num_filters
+    ),
+  )
+  kernel = loaded.params["layer1_0"]["conv1"]["kernel"]
+  assert kernel.dtype == np.float16
+  np.testing.assert_array_equal(
+    kernel,
+    variables["params"]["layer1_0"]["conv1"]["kernel"].astype(np.float16),
+  )
+  assert loaded.params["bn1"]["scale"].dtype == np.float32  # O2: fp32 BN.
+  np.testing.assert_array_equal(
+    loaded.batch_stats["layer2_0"]["downsample_bn"]["var"],
+    variables["batch_stats"]["layer2_0"]["downsample_bn"]["var"],
+  )
+  masters = jax.tree.leaves(
+    __import__("jaxmp").master_params(loaded.opt_state, loaded.params)
+  )
+  assert all(m.dtype == np.float32 for m in masters)
+
+
+def test_init_from_mismatch_is_one_line_naming_the_tensor(
+  make_config, data_dir, tiny_data, tmp_path
+):
+  pytest.importorskip("safetensors")
+  from cifar_train import loop  # pylint: disable=g-import-not-at-top
+  from cifar_train.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  path, _ = _tiny_weights_file(
+    tmp_path, make_config, data_dir, drop="layer3.0.shortcut.1.running_var"
+  )
+  config = make_config(data_dir, init_from=path)
+  with pytest.raises(ConfigError) as e:
+    loop.train_and_evaluate(config, str(tmp_path / "w"), data=tiny_data)
+  msg = str(e.value)
+  assert msg.startswith(f"init_from {path}: ") and "\n" not in msg
+  assert "missing: layer3.0.shortcut.1.running_var" in msg
+  with pytest.raises(ConfigError, match="is not a file"):
+    loop.train_and_evaluate(
+      make_config(data_dir, init_from=str(tmp_path / "nope.safetensors")),
+      str(tmp_path / "w2"),
+      data=tiny_data,
+    )
