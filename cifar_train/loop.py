@@ -167,6 +167,18 @@ def train(
   )
   manager = ckpt_lib.create_manager(workdir, s.keep_checkpoints)
   state, resumed = ckpt_lib.restore_latest(manager, state)
+  if s.init_from and not resumed:
+    state = steps.with_initial_weights(
+      state,
+      optimizer,
+      steps.load_torch_weights(
+        s.init_from,
+        model_name=s.model,
+        num_classes=data.num_classes,
+        num_filters=s.num_filters,
+      ),
+    )
+    print(f"Initialised params and batch_stats from {s.init_from}", flush=True)
   if jax.process_count() > 1:
     # Placing a committed one-device array on other processes' devices is a
     # cross-host transfer, which CPU and GPU backends lack; every process
@@ -176,6 +188,12 @@ def train(
   first_step = int(state.step)
   if resumed:
     print(f"Resuming from {resumed} at step {first_step}", flush=True)
+    if s.init_from:
+      print(
+        f"Not loading init_from {s.init_from}: the workdir's checkpoint "
+        "takes precedence",
+        flush=True,
+      )
 
   eval_step = jax.jit(
     steps.make_eval_step(model, compute_dtype=precision.compute_dtype),

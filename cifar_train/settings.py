@@ -54,6 +54,7 @@ class Settings:
 
   model: str
   num_filters: int
+  init_from: str
   precision: Precision
   max_consecutive_skips: int
   dataset: str
@@ -169,11 +170,15 @@ def resolve(config: ml_collections.ConfigDict) -> Settings:
       raise ConfigError(f"data_dir {config.data_dir!r} does not exist")
   if len(config.mean) != 3 or len(config.std) != 3:
     raise ConfigError("mean and std must have 3 values (RGB)")
+  init_from = os.path.expanduser(config.init_from)
+  if init_from and not os.path.isfile(init_from):
+    raise ConfigError(f"init_from {config.init_from!r} is not a file")
   if int(config.num_devices) < 0:
     raise ConfigError(f"num_devices must be >= 0, got {config.num_devices}")
   return Settings(
     model=model,
     num_filters=int(config.num_filters),
+    init_from=init_from,
     precision=precision,
     max_consecutive_skips=int(config.max_consecutive_skips),
     dataset=dataset,

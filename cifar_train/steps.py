@@ -19,6 +19,7 @@ import jaxmp
 from jaxmp import models
 from cifar_train import device_data
 from cifar_train import mesh
+from cifar_train.errors import ConfigError
 from cifar_train.settings import Precision
 
 
@@ -126,6 +127,57 @@ def create_train_state(
     batch_stats=batch_stats,
     opt_state=optimizer.init(params),
     rng=jax.random.key_data(data_key),
+  )
+
+
+def load_torch_weights(
+  path: str, *, model_name: str, num_classes: int, num_filters: int
+) -> dict[str, Any]:
+  """``params`` and ``batch_stats`` of a PyTorch state dict file.
+
+  The file is read by ``jaxmp.models.read_state_dict`` and mapped by
+  ``jaxmp.models.from_torchvision`` with the names of ``model_name``
+  (torchvision's or kuangliu/pytorch-cifar's), checked against the model of
+  ``num_classes`` and ``num_filters``.
+
+  Raises:
+    ConfigError: the file cannot be read or does not fit the model; one
+      line naming the tensors.
+  """
+  try:
+    state_dict = models.read_state_dict(path)
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError(f"init_from {path}: {e}") from None
+  try:
+    variables = models.from_torchvision(
+      state_dict,
+      num_classes=num_classes,
+      num_filters=num_filters,
+      arch=model_name,
+    )
+  except ValueError as e:
+    raise ConfigError(f"init_from {path}: {e}") from None
+  return {
+    "params": variables["params"],
+    "batch_stats": variables["batch_stats"],
+  }
+
+
+def with_initial_weights(
+  state: TrainState,
+  optimizer: optax.GradientTransformation,
+  variables: dict[str, Any],
+) -> TrainState:
+  """``state`` starting from ``variables`` (cast to the state's dtypes).
+
+  The optimizer state is initialised afresh from the cast params, so the
+  fp32 masters of half-precision params are upcasts of them, as in Apex.
+  """
+  cast = lambda ref, x: jnp.asarray(x, ref.dtype)
+  params = jax.tree.map(cast, state.params, variables["params"])
+  batch_stats = jax.tree.map(cast, state.batch_stats, variables["batch_stats"])
+  return state.replace(
+    params=params, batch_stats=batch_stats, opt_state=optimizer.init(params)
   )
 
 

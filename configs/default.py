@@ -24,6 +24,10 @@ def get_config() -> ml_collections.ConfigDict:
     "resnet18"  # "resnet18" (CIFAR stem) or "resnet18_torchvision".
   )
   config.num_filters = 64
+  # Start (fine-tune) from PyTorch weights: a .safetensors, .npz or .pth/.pt
+  # state dict with torchvision's names ("resnet18_torchvision") or
+  # kuangliu/pytorch-cifar's ("resnet18"). A checkpoint in the workdir wins.
+  config.init_from = ""
 
   # Precision: an Apex-style preset (O0, O1, O2, O3, bf16) or a jmp policy
   # string such as "params=float32,compute=float16,output=float32".

@@ -47,7 +47,15 @@ PUBLIC = {
     "stats",
   ),
   "jaxmp.nn": ("BatchNorm", "conv_general_dilated"),
-  "jaxmp.models": ("get_model", "ResNet", "resnet18", "resnet18_torchvision"),
+  "jaxmp.models": (
+    "from_torchvision",
+    "get_model",
+    "read_state_dict",
+    "ResNet",
+    "resnet18",
+    "resnet18_torchvision",
+    "to_torchvision",
+  ),
 }
 
 

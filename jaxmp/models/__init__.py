@@ -1,5 +1,8 @@
 """Flax models built from `jaxmp.nn`: ResNet18, CIFAR and torchvision stems.
 
+PyTorch weights in and out: `from_torchvision`, `to_torchvision`,
+`read_state_dict`.
+
 Needs flax: ``pip install 'jaxmp[flax]'``.
 
 >>> from jaxmp import models
@@ -18,10 +21,16 @@ from jaxmp._src.resnet import get_model
 from jaxmp._src.resnet import ResNet
 from jaxmp._src.resnet import resnet18
 from jaxmp._src.resnet import resnet18_torchvision
+from jaxmp._src.torchvision import from_torchvision
+from jaxmp._src.torchvision import read_state_dict
+from jaxmp._src.torchvision import to_torchvision
 
 __all__ = (
+  "from_torchvision",
   "get_model",
   "ResNet",
   "resnet18",
+  "read_state_dict",
   "resnet18_torchvision",
+  "to_torchvision",
 )

@@ -1,0 +1,511 @@
+"""PyTorch state dicts in and out: `from_torchvision`, `to_torchvision`.
+
+Without torch: state dicts built with numpy in torch's names and layout, a
+float64 numpy forward pass written on that layout, the errors and the exact
+round trip. With torch (skipped otherwise): parity with
+``bench/_torch_resnet.py``'s torchvision ResNet18 and, renamed to
+kuangliu/pytorch-cifar's names, its CIFAR ResNet18.
+"""
+
+import functools
+import os
+import re
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxmp import models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARCHS = ("resnet18_torchvision", "resnet18")
+FILTERS, CLASSES, EPS = 4, 5, 1e-5
+# kuangliu/pytorch-cifar's names for the shortcut and the classifier.
+NAMES = {
+  "resnet18_torchvision": ("downsample", "fc"),
+  "resnet18": ("shortcut", "linear"),
+}
+
+
+def torch_state_dict(arch, seed=0, f=FILTERS, classes=CLASSES):
+  """A ResNet18 state dict in torch's names and layouts, random values."""
+  rng = np.random.default_rng(seed)
+  shortcut, classifier = NAMES[arch]
+  sd = {}
+
+  def conv(name, out_ch, in_ch, k):
+    std = np.sqrt(2.0 / (in_ch * k * k))
+    sd[f"{name}.weight"] = (
+      rng.normal(size=(out_ch, in_ch, k, k)) * std
+    ).astype(np.float32)
+
+  def bn(name, c):
+    sd[f"{name}.weight"] = rng.uniform(0.5, 1.5, c).astype(np.float32)
+    sd[f"{name}.bias"] = rng.normal(0, 0.2, c).astype(np.float32)
+    sd[f"{name}.running_mean"] = rng.normal(0, 0.3, c).astype(np.float32)
+    sd[f"{name}.running_var"] = rng.uniform(0.5, 2.0, c).astype(np.float32)
+    sd[f"{name}.num_batches_tracked"] = np.int64(rng.integers(0, 10**6))
+
+  conv("conv1", f, 3, 7 if arch == "resnet18_torchvision" else 3)
+  bn("bn1", f)
+  in_ch = f
+  for i in range(4):
+    out_ch = f * 2**i
+    for j in range(2):
+      p = f"layer{i + 1}.{j}"
+      conv(f"{p}.conv1", out_ch, in_ch, 3)
+      bn(f"{p}.bn1", out_ch)
+      conv(f"{p}.conv2", out_ch, out_ch, 3)
+      bn(f"{p}.bn2", out_ch)
+      if in_ch != out_ch:
+        conv(f"{p}.{shortcut}.0", out_ch, in_ch, 1)
+        bn(f"{p}.{shortcut}.1", out_ch)
+      in_ch = out_ch
+  sd[f"{classifier}.weight"] = rng.normal(0, 0.1, (classes, in_ch)).astype(
+    np.float32
+  )
+  sd[f"{classifier}.bias"] = rng.normal(0, 0.1, classes).astype(np.float32)
+  return sd
+
+
+def _conv(x, w, stride, pad):
+  """NCHW x OIHW -> NCHW in float64, torch's zero padding."""
+  x = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+  k = w.shape[-1]
+  ho = (x.shape[2] - k) // stride + 1
+  wo = (x.shape[3] - k) // stride + 1
+  out = 0
+  for dy in range(k):
+    for dx in range(k):
+      patch = x[
+        :, :, dy : dy + stride * ho : stride, dx : dx + stride * wo : stride
+      ]
+      out = out + np.einsum("nihw,oi->nohw", patch, w[:, :, dy, dx])
+  return out
+
+
+def _bn(x, sd, name):
+  g = lambda k: sd[f"{name}.{k}"].astype(np.float64)[None, :, None, None]
+  return (x - g("running_mean")) / np.sqrt(g("running_var") + EPS) * g(
+    "weight"
+  ) + g("bias")
+
+
+def numpy_eval_logits(sd, arch, x):
+  """The eval-mode forward of torch on the torch layout, float64 numpy."""
+  sd = {k: np.asarray(v, np.float64) for k, v in sd.items()}
+  shortcut, classifier = NAMES[arch]
+  relu = lambda v: np.maximum(v, 0)
+  if arch == "resnet18_torchvision":
+    y = relu(_bn(_conv(x, sd["conv1.weight"], 2, 3), sd, "bn1"))
+    y = np.pad(y, ((0, 0), (0, 0), (1, 1), (1, 1)), constant_values=-np.inf)
+    ho = (y.shape[2] - 3) // 2 + 1
+    y = np.max(
+      [
+        y[:, :, dy : dy + 2 * ho : 2, dx : dx + 2 * ho : 2]
+        for dy in range(3)
+        for dx in range(3)
+      ],
+      axis=0,
+    )
+  else:
+    y = relu(_bn(_conv(x, sd["conv1.weight"], 1, 1), sd, "bn1"))
+  for i in range(4):
+    for j in range(2):
+      p = f"layer{i + 1}.{j}"
+      s = 2 if i > 0 and j == 0 else 1
+      h = relu(_bn(_conv(y, sd[f"{p}.conv1.weight"], s, 1), sd, f"{p}.bn1"))
+      h = _bn(_conv(h, sd[f"{p}.conv2.weight"], 1, 1), sd, f"{p}.bn2")
+      if f"{p}.{shortcut}.0.weight" in sd:
+        y = _bn(
+          _conv(y, sd[f"{p}.{shortcut}.0.weight"], s, 0),
+          sd,
+          f"{p}.{shortcut}.1",
+        )
+      y = relu(h + y)
+  pooled = y.mean(axis=(2, 3))
+  return pooled @ sd[f"{classifier}.weight"].T + sd[f"{classifier}.bias"]
+
+
+@functools.lru_cache(maxsize=None)
+def _apply(arch, train):
+  model = models.get_model(
+    arch, num_classes=CLASSES, num_filters=FILTERS, unbiased_running_var=True
+  )
+  if train:
+    return jax.jit(
+      lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"])
+    )
+  return jax.jit(lambda v, x: model.apply(v, x, train=False))
+
+
+def _scale_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.max(np.abs(got - want)) / np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_imported_weights_give_torchs_eval_logits(arch):
+  sd = torch_state_dict(arch)
+  variables = models.from_torchvision(sd)
+  assert variables["params"]["conv1"]["kernel"].shape[-1] == FILTERS
+  assert variables["params"]["fc"]["kernel"].shape == (8 * FILTERS, CLASSES)
+  x = np.random.default_rng(1).normal(size=(2, 3, 32, 32))
+  want = numpy_eval_logits(sd, arch, x)
+  got = _apply(arch, False)(variables, x.transpose(0, 2, 3, 1).astype("f4"))
+  # fp32 against float64 through 20 layers: ~1e-6 of the logit scale.
+  assert _scale_err(got, want) < 1e-4
+
+
+def test_fc_and_conv_layouts_by_hand():
+  sd = torch_state_dict("resnet18_torchvision")
+  params = models.from_torchvision(sd)["params"]
+  h = np.random.default_rng(2).normal(size=(3, 8 * FILTERS))
+  np.testing.assert_allclose(
+    h @ params["fc"]["kernel"] + params["fc"]["bias"],
+    np.einsum("ni,oi->no", h, sd["fc.weight"]) + sd["fc.bias"],
+    rtol=1e-6,
+    atol=1e-6,
+  )
+  w = sd["layer2.0.downsample.0.weight"]  # (O, I, 1, 1).
+  np.testing.assert_array_equal(
+    params["layer2_0"]["downsample_conv"]["kernel"][0, 0].T, w[:, :, 0, 0]
+  )
+  k = params["layer1_0"]["conv1"]["kernel"]  # (H, W, I, O).
+  w = sd["layer1.0.conv1.weight"]
+  assert k[1, 2, 3, 0] == w[0, 3, 1, 2] and k[0, 1, 2, 3] == w[3, 2, 0, 1]
+
+
+@pytest.mark.invariant
+@pytest.mark.parametrize("arch", ARCHS)
+def test_round_trip_is_exact_counters_included(arch):
+  sd = torch_state_dict(arch)
+  variables = models.from_torchvision(sd)
+  counters = variables["num_batches_tracked"]
+  assert (
+    counters["layer2_0"]["downsample_bn"]
+    == (sd[f"layer2.0.{NAMES[arch][0]}.1.num_batches_tracked"])
+  )
+  back = models.to_torchvision(variables)
+  assert sorted(back) == sorted(sd)
+  for name, value in sd.items():
+    assert back[name].dtype == np.asarray(value).dtype, name
+    np.testing.assert_array_equal(back[name], value, err_msg=name)
+
+
+def test_counters_are_optional_and_prefixes_dropped():
+  sd = torch_state_dict("resnet18")
+  no_counters = {
+    f"module.{k}": v for k, v in sd.items() if "num_batches" not in k
+  }
+  back = models.to_torchvision(models.from_torchvision(no_counters))
+  assert sorted(back) == sorted(sd)
+  assert back["bn1.num_batches_tracked"] == 0
+  np.testing.assert_array_equal(back["linear.weight"], sd["linear.weight"])
+
+
+def test_init_variables_export_with_zero_counters():
+  model = models.resnet18_torchvision(num_classes=CLASSES, num_filters=FILTERS)
+  variables = jax.jit(
+    lambda k: model.init(k, np.zeros((1, 32, 32, 3), "f4"), train=False)
+  )(jax.random.key(0))
+  sd = models.to_torchvision(variables)
+  assert sorted(sd) == sorted(torch_state_dict("resnet18_torchvision"))
+  assert sd["conv1.weight"].shape == (FILTERS, 3, 7, 7)
+  assert sd["layer4.1.bn2.num_batches_tracked"] == 0
+  again = models.from_torchvision(sd)
+  np.testing.assert_array_equal(
+    again["params"]["fc"]["kernel"], variables["params"]["fc"]["kernel"]
+  )
+
+
+def test_one_error_names_every_bad_tensor():
+  sd = torch_state_dict("resnet18_torchvision")
+  del sd["layer3.1.bn2.running_var"]
+  sd["layer5.0.conv1.weight"] = np.zeros((1, 1, 3, 3), np.float32)
+  sd["layer2.0.conv1.weight"] = sd["layer2.0.conv1.weight"][:, :, :2]
+  sd["bn1.num_batches_tracked"] = np.zeros((2,), np.int64)
+  with pytest.raises(ValueError) as e:
+    models.from_torchvision(sd)
+  msg = str(e.value)
+  assert "unknown: layer5.0.conv1.weight" in msg
+  assert "missing: layer3.1.bn2.running_var" in msg
+  assert "layer2.0.conv1.weight (8, 4, 2, 3) (expected (8, 4, 3, 3))" in msg
+  assert "bn1.num_batches_tracked (2,)" in msg
+  assert "\n" not in msg
+
+
+def test_explicit_num_classes_must_match_and_arch_is_checked():
+  sd = torch_state_dict("resnet18_torchvision")
+  with pytest.raises(
+    ValueError, match=r"fc\.bias \(5,\) .*fc\.weight \(5, 32\)"
+  ):
+    models.from_torchvision(sd, num_classes=10)
+  assert models.from_torchvision(sd, num_classes=CLASSES)
+  with pytest.raises(ValueError, match="arch must be one of"):
+    models.from_torchvision(sd, arch="vgg")
+  # The torchvision names read as the CIFAR net: the 7x7 stem is mis-shaped.
+  with pytest.raises(
+    ValueError,
+    match=r"missing: .*linear\.weight; mis-shaped: conv1\.weight "
+    r"\(4, 3, 7, 7\) \(expected \(4, 3, 3, 3\)\)$",
+  ):
+    models.from_torchvision(sd, arch="resnet18")
+
+
+def test_read_state_dict_formats(tmp_path):
+  pytest.importorskip("safetensors")
+  from safetensors import numpy as st_numpy  # pylint: disable=g-import-not-at-top
+
+  sd = torch_state_dict("resnet18")
+  for ext in ("safetensors", "npz"):
+    path = str(tmp_path / f"w.{ext}")
+    if ext == "npz":
+      np.savez(path, **sd)
+    else:
+      st_numpy.save_file({k: np.asarray(v) for k, v in sd.items()}, path)
+    got = models.read_state_dict(path)
+    assert sorted(got) == sorted(sd)
+    for k, v in sd.items():
+      np.testing.assert_array_equal(got[k], v)
+      assert got[k].dtype == np.asarray(v).dtype
+  with pytest.raises(ValueError, match=r"'\.ckpt'.*valid: \.safetensors"):
+    models.read_state_dict(str(tmp_path / "w.ckpt"))
+
+
+def test_pth_without_torch_says_how_to_convert(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "torch", None)  # import torch fails.
+  with pytest.raises(ImportError, match=r"needs torch .*np\.savez"):
+    models.read_state_dict(str(tmp_path / "w.pth"))
+
+
+# With torch: bench/_torch_resnet.py's models.
+
+
+def _torch_resnet():
+  torch = pytest.importorskip("torch")
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  try:
+    import _torch_resnet  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.pop(0)
+  torch.manual_seed(0)
+  return torch, _torch_resnet
+
+
+def _randomise(torch, net, seed):
+  """Random BatchNorm affine and statistics (non-default), eval mode."""
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for m in net.modules():
+      if isinstance(m, torch.nn.BatchNorm2d):
+        c = m.num_features
+        m.weight.copy_(0.5 + torch.rand(c, generator=gen))
+        m.bias.copy_(0.2 * torch.randn(c, generator=gen))
+        m.running_mean.copy_(0.3 * torch.randn(c, generator=gen))
+        m.running_var.copy_(0.5 + 1.5 * torch.rand(c, generator=gen))
+        m.num_batches_tracked.fill_(int(torch.randint(0, 1000, (1,))))
+  return net
+
+
+def _kuangliu(name):
+  """Renames bench's ResNet18 tensors to kuangliu/pytorch-cifar's names."""
+  name = re.sub(
+    r"^layers\.(\d+)\.",
+    lambda m: f"layer{int(m[1]) // 2 + 1}.{int(m[1]) % 2}.",
+    name,
+  )
+  return re.sub(r"^fc\.", "linear.", name.replace(".downsample.", ".shortcut."))
+
+
+def _check_parity(torch, net, arch, rename=lambda n: n):
+  sd = {rename(k): v.clone() for k, v in net.state_dict().items()}
+  variables = models.from_torchvision(sd)
+  # 64x64 for the ImageNet stem: its last stage is 2x2 (n = 16 per channel;
+  # at 1x1, train-mode BatchNorm over 4 values amplifies rounding).
+  size = 64 if arch == "resnet18_torchvision" else 32
+  gen = torch.Generator().manual_seed(5)
+  x = torch.randn(4, 3, size, size, generator=gen)
+  x_nhwc = x.numpy().transpose(0, 2, 3, 1)
+
+  net.eval()
+  with torch.no_grad():
+    want = net(x).numpy()
+  assert _scale_err(_apply(arch, False)(variables, x_nhwc), want) < 1e-4
+
+  net.train()
+  with torch.no_grad():
+    want = net(x).numpy()
+  got, new = _apply(arch, True)(variables, x_nhwc)
+  assert _scale_err(got, want) < 1e-4
+  updated = models.to_torchvision({**variables, **jax.device_get(new)})
+  for name, value in net.state_dict().items():
+    if "running_" in name:
+      assert _scale_err(updated[rename(name)], value.numpy()) < 1e-5, name
+
+  # Round trip exact, counters included; torch loads it strictly.
+  back = models.to_torchvision(variables)
+  for name, value in sd.items():
+    np.testing.assert_array_equal(back[name], value.numpy(), err_msg=name)
+  assert sorted(back) == sorted(sd)
+  net.load_state_dict(
+    {k: torch.from_numpy(back[rename(k)]) for k in net.state_dict()}
+  )
+
+
+def test_parity_with_torchvision_resnet18():
+  torch, tr = _torch_resnet()
+  net = tr.TorchvisionResNet18(num_classes=CLASSES, num_filters=FILTERS)
+  _check_parity(torch, _randomise(torch, net, 0), "resnet18_torchvision")
+
+
+def test_parity_with_kuangliu_named_cifar_resnet18():
+  """The CIFAR ResNet18 of bench has ``layers.N``/``downsample``/``fc``: renamed."""
+  torch, tr = _torch_resnet()
+  net = tr.ResNet18(num_classes=CLASSES, num_filters=FILTERS)
+  _check_parity(torch, _randomise(torch, net, 1), "resnet18", _kuangliu)
+
+
+def test_pth_with_torch(tmp_path):
+  torch, tr = _torch_resnet()
+  net = tr.TorchvisionResNet18(num_classes=CLASSES, num_filters=FILTERS)
+  path = str(tmp_path / "ckpt.pth")
+  torch.save({"net": net.state_dict(), "epoch": 3}, path)
+  got = models.read_state_dict(path)
+  for k, v in net.state_dict().items():
+    np.testing.assert_array_equal(got[k], v.numpy())
+  assert models.from_torchvision(got)["params"]["fc"]["kernel"].shape == (
+    8 * FILTERS,
+    CLASSES,
+  )
+
+
+# The app: --config.init_from.
+
+
+def _tiny_weights_file(tmp_path, make_config, data_dir, drop=None):
+  """A .safetensors state dict of the tiny job's net, kuangliu's names."""
+  from safetensors import numpy as st_numpy  # pylint: disable=g-import-not-at-top
+
+  config = make_config(data_dir)
+  model = models.get_model(
+    config.model, num_classes=10, num_filters=config.num_filters
+  )
+  variables = jax.jit(
+    lambda k: model.init(k, np.zeros((1, 32, 32, 3), "f4"), train=False)
+  )(jax.random.key(7))
+  sd = models.to_torchvision(jax.device_get(variables), arch=config.model)
+  if drop:
+    del sd[drop]
+  path = str(tmp_path / "weights.safetensors")
+  st_numpy.save_file(sd, path)
+  return path, jax.device_get(variables)
+
+
+def test_init_from_safetensors_trains_from_those_weights(
+  make_config, data_dir, tiny_data, tmp_path, capsys
+):
+  pytest.importorskip("safetensors")
+  from cifar_train import loop  # pylint: disable=g-import-not-at-top
+  from cifar_train import settings  # pylint: disable=g-import-not-at-top
+  from cifar_train import steps  # pylint: disable=g-import-not-at-top
+
+  path, variables = _tiny_weights_file(tmp_path, make_config, data_dir)
+  # lr 0 in fp32: the params stay the imported ones, bit for bit.
+  config = make_config(
+    data_dir,
+    init_from=path,
+    policy="O0",
+    learning_rate=0.0,
+    weight_decay=0.0,
+    num_train_steps=2,
+    checkpoint_every_steps=2,
+  )
+  workdir = str(tmp_path / "run")
+  summary = loop.train_and_evaluate(config, workdir, data=tiny_data)
+  assert f"Initialised params and batch_stats from {path}" in (
+    capsys.readouterr().out
+  )
+  s = settings.resolve(config)
+  optimizer = steps.create_optimizer(s.precision, 0.0, momentum=0.9)
+  params = jax.tree.map(np.asarray, variables["params"])
+  expected = steps.TrainState(
+    step=np.int32(0),
+    params=params,
+    batch_stats=variables["batch_stats"],
+    opt_state=optimizer.init(params),
+    rng=np.zeros(2, np.uint32),
+  )
+  assert summary["params_fingerprint"] == steps.params_fingerprint(expected)
+
+  # A checkpoint in the workdir takes precedence, and says so.
+  again = loop.train_and_evaluate(
+    make_config(data_dir, init_from=path, policy="O0", num_train_steps=2),
+    workdir,
+    data=tiny_data,
+  )
+  out = capsys.readouterr().out
+  assert "Not loading init_from" in out and "takes precedence" in out
+  assert "Initialised params" not in out
+  assert again["params_fingerprint"] == summary["params_fingerprint"]
+
+
+def test_init_from_casts_to_the_presets_dtypes(make_config, data_dir, tmp_path):
+  pytest.importorskip("safetensors")
+  from cifar_train import settings  # pylint: disable=g-import-not-at-top
+  from cifar_train import steps  # pylint: disable=g-import-not-at-top
+
+  path, variables = _tiny_weights_file(tmp_path, make_config, data_dir)
+  s = settings.resolve(make_config(data_dir, policy="O2", init_from=path))
+  model = steps.create_model(
+    s.model, num_classes=10, num_filters=s.num_filters, precision=s.precision
+  )
+  optimizer = steps.create_optimizer(s.precision, 0.1, momentum=0.9)
+  state = steps.create_train_state(model, optimizer, (32, 32, 3), seed=0)
+  loaded = steps.with_initial_weights(
+    state,
+    optimizer,
+    steps.load_torch_weights(
+      path, model_name=s.model, num_classes=10, num_filters=s.num_filters
+    ),
+  )
+  kernel = loaded.params["layer1_0"]["conv1"]["kernel"]
+  assert kernel.dtype == np.float16
+  np.testing.assert_array_equal(
+    kernel,
+    variables["params"]["layer1_0"]["conv1"]["kernel"].astype(np.float16),
+  )
+  assert loaded.params["bn1"]["scale"].dtype == np.float32  # O2: fp32 BN.
+  np.testing.assert_array_equal(
+    loaded.batch_stats["layer2_0"]["downsample_bn"]["var"],
+    variables["batch_stats"]["layer2_0"]["downsample_bn"]["var"],
+  )
+  masters = jax.tree.leaves(
+    __import__("jaxmp").master_params(loaded.opt_state, loaded.params)
+  )
+  assert all(m.dtype == np.float32 for m in masters)
+
+
+def test_init_from_mismatch_is_one_line_naming_the_tensor(
+  make_config, data_dir, tiny_data, tmp_path
+):
+  pytest.importorskip("safetensors")
+  from cifar_train import loop  # pylint: disable=g-import-not-at-top
+  from cifar_train.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  path, _ = _tiny_weights_file(
+    tmp_path, make_config, data_dir, drop="layer3.0.shortcut.1.running_var"
+  )
+  config = make_config(data_dir, init_from=path)
+  with pytest.raises(ConfigError) as e:
+    loop.train_and_evaluate(config, str(tmp_path / "w"), data=tiny_data)
+  msg = str(e.value)
+  assert msg.startswith(f"init_from {path}: ") and "\n" not in msg
+  assert "missing: layer3.0.shortcut.1.running_var" in msg
+  with pytest.raises(ConfigError, match="is not a file"):
+    loop.train_and_evaluate(
+      make_config(data_dir, init_from=str(tmp_path / "nope.safetensors")),
+      str(tmp_path / "w2"),
+      data=tiny_data,
+    )
