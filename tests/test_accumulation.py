@@ -1,5 +1,6 @@
 """Tests of `jaxmp.multi_steps`: windows, fp32 means, caller-state rollback."""
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -85,6 +86,20 @@ class TestWindows:
     inner = optax.MultiSteps(optax.sgd(1.0), 2).gradient_transformation()
     with pytest.raises(ValueError, match="MultiSteps"):
       jaxmp.mixed_precision(inner).init({"w": jnp.ones(1)})
+
+  def test_should_skip_update_fn_drops_a_microbatch(self):
+    # With optax's skip_not_finite the overflowed microbatch never happened:
+    # the window waits for another one, and its statistics are rolled back.
+    wrapper = lambda opt, k: jaxmp.multi_steps(
+      opt, k, should_skip_update_fn=optax.skip_not_finite
+    )
+    scales, trajectory, seen, state = _run_windows(
+      wrapper, [1.0, np.inf, 3.0, 2.0, 4.0], k=2, stats0=-1.0
+    )
+    assert seen == [1.0, 1.0, 3.0, 2.0, 4.0]
+    assert trajectory == [1.0, 1.0, -1.0, -1.0, -4.0]  # -= mean(1, 3), (2, 4)
+    assert scales == [8.0] * 5
+    assert int(jaxmp.stats(state)["skipped_steps"]) == 0
 
   def test_accessors_see_through_the_state(self):
     opt = jaxmp.multi_steps(
@@ -177,3 +192,55 @@ class TestFp32Mean:
     ) + 2.0**-24 * np.abs(want)
     err = np.abs(np.asarray(seen, np.float64) - want)
     assert np.all(err <= bound), (err / np.abs(want)).max()
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (forced) devices")
+@pytest.mark.parametrize("reduce", [True, False])
+def test_shard_map_microbatch_flag_is_global(reduce):
+  # Under shard_map (default check_vma), with gradients that are and are not
+  # pmean-ed, axis_name makes every device roll the same microbatches back.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+  P = jax.sharding.PartitionSpec
+  mp = jaxmp.mixed_precision(
+    optax.sgd(1.0), loss_scale=_dynamic(8.0), axis_name="data"
+  )
+  opt = jaxmp.multi_steps(mp, 2, axis_name="data")
+  params = {"w": jnp.ones(2, jnp.float16)}
+  state = opt.init(params)
+  # Unreduced gradients make params and accumulators per device: carry
+  # array leaves device-stacked (P("data")), scalars replicated.
+  stack = lambda t: jax.tree.map(
+    lambda x: jnp.tile(x, 4) if np.ndim(x) and not reduce else x, t
+  )
+  specs = lambda t: jax.tree.map(
+    lambda x: P("data") if np.ndim(x) and not reduce else P(), t
+  )
+  params, state = stack(params), stack(state)
+
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P("data"), specs(state), specs(params), P("data")),
+    out_specs=(specs(params), specs(state), P("data")),
+  )
+  def step(local, state, params, stats):
+    g = jax.lax.pmean(local[0], "data") if reduce else local[0]
+    updates, state = opt.update({"w": g}, state, params)
+    new_stats = jnp.where(jnp.isfinite(local[0, 0]), local[0, 0], jnp.nan)
+    stats = jaxmp.rollback_if_skipped(state, new_stats[None], stats)
+    return optax.apply_updates(params, updates), state, stats
+
+  stats = jnp.zeros(4)
+  seen, scales = [], []
+  # Microbatch 1 overflows on device 3 only; microbatches 2-4 are finite.
+  for t in range(4):
+    g = np.full((4, 2), 8.0 * (t + 1), np.float16)
+    if t == 0:
+      g[3] = np.inf
+    params, state, stats = jax.jit(step)(jnp.asarray(g), state, params, stats)
+    seen.append(stats.tolist())
+    scales.append(float(jaxmp.stats(state)["loss_scale"]))
+  assert seen == [[0.0] * 4, [16.0] * 4, [24.0] * 4, [32.0] * 4]
+  assert scales == [8.0, 4.0, 4.0, 4.0]
+  # Window 1 skipped, window 2 applied: 1 - mean(24, 32) / 4 on every device.
+  assert params["w"].tolist() == [-6.0] * (2 if reduce else 8)

@@ -1,7 +1,8 @@
 """Gradient accumulation for `mixed_precision`: fp32 means, clean windows.
 
-`optax.MultiSteps` (0.2.8) has three flaws for loss-scaled half gradients,
-which `multi_steps` fixes:
+`multi_steps` is `optax.MultiSteps` (same state, same Welford mean, same
+schedule and skip hooks) without four flaws that 0.2.8 has for loss-scaled
+half gradients:
 
 * it resets its accumulator as ``(1 - emit) * acc``: after a window whose
   microbatch overflowed the accumulator holds inf/NaN and ``0 * inf`` keeps it
@@ -14,7 +15,11 @@ which `multi_steps` fixes:
 * its state says nothing about the microbatch just seen: `mixed_precision`'s
   ``grads_finite`` only moves when a window ends, so mid-window it is stale.
   `multi_steps` checks every microbatch and keeps the flag in its state, for
-  `jaxmp.rollback_if_skipped`.
+  `jaxmp.rollback_if_skipped`;
+* its ``lax.cond`` on the skip hook fails under ``shard_map`` with its default
+  ``check_vma`` for device-varying gradients. `multi_steps` selects with
+  ``jnp.where`` (and returns ``-0.0``, the additive identity of signed zeros
+  too, as updates between windows).
 """
 
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -59,7 +64,8 @@ def multi_steps(
 
   For the caller's state (BatchNorm statistics, an EMA) call
   `jaxmp.rollback_if_skipped` after every microbatch: it keeps ``old`` exactly
-  for the microbatches whose own gradients were not finite. A skipped window
+  for the microbatches whose own gradients were not finite (or that
+  ``should_skip_update_fn`` rejected: they count as never seen). A skipped window
   thus keeps params, masters and the optimizer state as they were before it,
   and keeps the statistics of its finite microbatches (forward passes of
   those unchanged params, as valid as in an applied window); no forward pass
@@ -71,15 +77,15 @@ def multi_steps(
     every_k_schedule: microbatches per window (or a schedule of it).
     axis_name: the mapped axis (``shard_map``/``pmap``) over which the
       microbatch flag is reduced, as ``mixed_precision``'s ``axis_name``.
-    **kwargs: passed to `optax.MultiSteps` (``use_grad_mean``,
-      ``should_skip_update_fn``). The accumulator is always fp32.
+    **kwargs: ``use_grad_mean`` and ``should_skip_update_fn``, as for
+      `optax.MultiSteps`. The accumulator is always fp32.
 
   Returns:
     A gradient transformation with an `AccumulationState` as its state.
 
   >>> import jax.numpy as jnp, optax, jaxmp
-  >>> mp = jaxmp.mixed_precision(optax.sgd(1.0), loss_scale=1024.0)
-  >>> opt = jaxmp.multi_steps(mp, 2)
+  >>> inner = jaxmp.mixed_precision(optax.sgd(1.0), loss_scale=1024.0)
+  >>> opt = jaxmp.multi_steps(inner, 2)
   >>> params = {"w": jnp.ones(1, jnp.float16)}
   >>> state = opt.init(params)
   >>> for g in (1.0, 2.0):  # gradients of loss * 1024
@@ -90,22 +96,59 @@ def multi_steps(
   """
   if "accumulator_dtype" in kwargs:
     raise TypeError("multi_steps always accumulates in float32")
-  inner = optax.MultiSteps(opt, every_k_schedule, **kwargs)
+  # Validates the arguments and gives the state's structure.
+  reference = optax.MultiSteps(opt, every_k_schedule, **kwargs)
+  use_grad_mean = kwargs.get("use_grad_mean", True)
+  should_skip = kwargs.get("should_skip_update_fn")
+  every_k = (
+    every_k_schedule
+    if callable(every_k_schedule)
+    else (lambda _: every_k_schedule)
+  )
+  opt = optax.with_extra_args_support(opt)
 
   def init_fn(params):
-    return AccumulationState(inner.init(params), jnp.ones([], jnp.bool_))
+    return AccumulationState(reference.init(params), jnp.ones([], jnp.bool_))
 
   def update_fn(updates, state, params=None, **extra_args):
+    ms = state.multi_steps
     finite = mp.all_finite(updates)
     if axis_name is not None:
       finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
-    # fp32 microbatches: MultiSteps casts its mean to the gradients' dtype.
-    wide = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
-    updates, ms = inner.update(wide, state.multi_steps, params, **extra_args)
-    clear = ms.mini_step == 0
-    acc = jax.tree.map(
-      lambda a: jnp.where(clear, jnp.zeros_like(a), a), ms.acc_grads
+    if should_skip is None:
+      skip, skip_state = jnp.zeros([], jnp.bool_), ms.skip_state
+    else:
+      skip, skip_state = should_skip(updates, ms.gradient_step, params)
+    n = ms.mini_step
+
+    def accumulate(g, acc):
+      g = g.astype(jnp.float32)
+      return acc + (g - acc) / (n + 1) if use_grad_mean else acc + g
+
+    acc = jax.tree.map(accumulate, updates, ms.acc_grads)
+    inner_updates, inner_state = opt.update(
+      acc, ms.inner_opt_state, params, **extra_args
     )
-    return updates, AccumulationState(ms._replace(acc_grads=acc), finite)
+    emit = (n == every_k(ms.gradient_step) - 1) & ~skip
+    zero = lambda u: jnp.asarray(-0.0, u.dtype)
+    updates = jax.tree.map(lambda u: jnp.where(emit, u, zero(u)), inner_updates)
+    inner_state = jax.tree.map(
+      lambda new, old: jnp.where(emit, new, old).astype(old.dtype),
+      inner_state,
+      ms.inner_opt_state,
+    )
+    acc = jax.tree.map(
+      lambda a, old: jnp.where(skip, old, jnp.where(emit, 0.0, a)),
+      acc,
+      ms.acc_grads,
+    )
+    ms = optax.MultiStepsState(
+      mini_step=jnp.where(emit, 0, jnp.where(skip, n, n + 1)).astype(n.dtype),
+      gradient_step=ms.gradient_step + emit.astype(ms.gradient_step.dtype),
+      inner_opt_state=inner_state,
+      acc_grads=acc,
+      skip_state=skip_state,
+    )
+    return updates, AccumulationState(ms, finite & ~skip)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
