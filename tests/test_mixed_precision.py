@@ -668,19 +668,15 @@ class TestPolicies:
 
   def test_presets_carry_apex_properties(self):
     o2 = jaxmp.get_preset("O2")
-    assert (o2.loss_scale, o2.keep_batchnorm_fp32, o2.master_weights) == (
-      "dynamic",
-      True,
-      True,
-    )
+    assert isinstance(o2.loss_scale, jmp.DynamicLossScale)
+    assert (o2.keep_batchnorm_fp32, o2.master_weights) == (True, True)
     o3 = jaxmp.get_preset("O3")
-    assert (o3.loss_scale, o3.keep_batchnorm_fp32, o3.master_weights) == (
-      "none",
-      False,
-      False,
-    )
+    assert isinstance(o3.loss_scale, jmp.StaticLossScale)
+    assert float(o3.loss_scale.loss_scale) == 1.0
+    assert (o3.keep_batchnorm_fp32, o3.master_weights) == (False, False)
     custom = jaxmp.get_preset("p=f16,c=f16,o=f32")
-    assert custom.master_weights and custom.loss_scale == "dynamic"
+    assert custom.master_weights
+    assert isinstance(custom.loss_scale, jmp.DynamicLossScale)
     with pytest.raises(Exception):
       o2.name = "x"  # frozen
 
