@@ -48,7 +48,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-import jmp  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import optax  # pylint: disable=g-import-not-at-top
 
@@ -123,14 +122,9 @@ def jax_maker(preset_name: str, precision: str, filters: int):
       if preset.keep_batchnorm_fp32
       else policy.param_dtype,
     )
-    loss_scale = (
-      jmp.DynamicLossScale(np.float32(2.0**15))
-      if preset.loss_scale == "dynamic"
-      else jmp.NoOpLossScale()
-    )
     opt = jaxmp.mixed_precision(
       optax.sgd(0.1, momentum=0.9),
-      loss_scale=loss_scale,
+      loss_scale=preset.loss_scale,
       master_weights=preset.master_weights,
     )
     rng = np.random.default_rng(0)

@@ -88,10 +88,6 @@ class Settings:
   compile_cache_dir: str
 
 
-def _is_dynamic(loss_scale: Any) -> bool:
-  return isinstance(loss_scale, jmp.DynamicLossScale) or loss_scale == "dynamic"
-
-
 def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
   """The preset of ``config.policy`` with the config's loss-scale settings."""
   try:
@@ -99,17 +95,14 @@ def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
   except ValueError as e:
     raise ConfigError(str(e)) from None
   policy = preset.policy
-  if _is_dynamic(preset.loss_scale):
+  loss_scale = preset.loss_scale
+  if isinstance(loss_scale, jmp.DynamicLossScale):  # The config's settings.
     loss_scale = jmp.DynamicLossScale(
       np.float32(config.init_loss_scale),
       period=int(config.loss_scale_period),
       factor=config.loss_scale_factor,
       min_loss_scale=np.float32(config.min_loss_scale),
     )
-  elif isinstance(preset.loss_scale, (jmp.StaticLossScale, jmp.NoOpLossScale)):
-    loss_scale = preset.loss_scale
-  else:
-    loss_scale = jmp.NoOpLossScale()
   norm_dtype = jnp.float32 if preset.keep_batchnorm_fp32 else policy.param_dtype
   return Precision(
     name=preset.name,

@@ -17,6 +17,7 @@ from jaxmp._src.accessors import rollback_if_skipped
 from jaxmp._src.accessors import scale_loss
 from jaxmp._src.accessors import stats
 from jaxmp._src.calibrate import calibrate_loss_scale
+from jaxmp._src.initialize import initialize
 from jaxmp._src.mixed_precision import adjust_loss_scale
 from jaxmp._src.mixed_precision import all_finite
 from jaxmp._src.mixed_precision import LossScale
@@ -38,6 +39,7 @@ __all__ = (
   "find_state",
   "get_policy",
   "get_preset",
+  "initialize",
   "loss_scale",
   "LossScale",
   "LossScaleCollapseError",

@@ -30,6 +30,7 @@ PUBLIC = {
     "find_state",
     "get_policy",
     "get_preset",
+    "initialize",
     "loss_scale",
     "LossScale",
     "LossScaleCollapseError",

@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
+import optax
 
+from jaxmp._src import accumulation
 from jaxmp._src import diagnostics as diag
 from jaxmp._src import mixed_precision as mp
 
@@ -221,10 +223,23 @@ def overflow_report(opt_state: Any) -> diag.OverflowReport:
 
 
 def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
-  """Keeps ``old`` instead of ``new`` when the last update was skipped.
+  """Keeps ``old`` instead of ``new`` when this step's gradients overflowed.
 
   Roll back the caller's other mutable state with it: Flax ``batch_stats``
   updated by the forward pass of an overflowed step, an EMA of the params.
+
+  Without accumulation the test is ``mixed_precision``'s ``grads_finite``:
+  ``old`` is kept exactly when the update was skipped. Under
+  `jaxmp.multi_steps` it is the flag of the microbatch just accumulated, as
+  `jaxmp.multi_steps` checks each one: ``old`` is kept exactly for the
+  microbatches whose own gradients were not finite, whether the window
+  they belong to ends skipped or not. A skipped window so keeps the
+  statistics of its finite microbatches (forward passes of params that did
+  not change, as valid as in an applied window), and no forward pass of an
+  overflowed microbatch ever reaches the state. (``grads_finite`` would be
+  stale mid-window: it only moves when a window ends.) A plain
+  `optax.MultiSteps` around ``mixed_precision`` is rejected, for that
+  reason.
 
   Args:
     opt_state: the optax state *after* ``update`` for this step.
@@ -232,7 +247,10 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
     old: the same tree before this step.
 
   Returns:
-    ``new`` where the step was applied, ``old`` where it was skipped.
+    ``new`` where the step's gradients were finite, ``old`` elsewhere.
+
+  Raises:
+    ValueError: for an `optax.MultiSteps` around ``mixed_precision``.
 
   >>> import jax.numpy as jnp, optax, jaxmp
   >>> opt = jaxmp.mixed_precision(optax.sgd(0.1))
@@ -242,8 +260,32 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
   >>> jaxmp.rollback_if_skipped(state, {"mean": 1.0}, {"mean": 0.0})
   {'mean': Array(0., dtype=float32, weak_type=True)}
   """
-  finite = find_state(opt_state).grads_finite
+  finite = _accumulation_flag(opt_state)
+  if finite is None:
+    finite = find_state(opt_state).grads_finite
   return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def _accumulation_flag(opt_state: Any) -> Optional[jax.Array]:
+  """The microbatch flag of the `jaxmp.multi_steps` around the jaxmp state."""
+  kinds = (accumulation.AccumulationState, optax.MultiStepsState)
+  is_acc = lambda x: isinstance(x, kinds)
+  for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_acc):
+    if isinstance(x, accumulation.AccumulationState):
+      return x.microbatch_finite
+    if is_acc(x) and _contains_mp(x):
+      raise ValueError(
+        "optax.MultiSteps around jaxmp.mixed_precision: its state does not "
+        "say whether the microbatch just seen was finite, so "
+        "rollback_if_skipped cannot tell which statistics to keep; use "
+        "jaxmp.multi_steps(jaxmp.mixed_precision(inner), k) instead"
+      )
+  return None
+
+
+def _contains_mp(tree: Any) -> bool:
+  is_mp = lambda x: isinstance(x, mp.MixedPrecisionState)
+  return any(map(is_mp, jax.tree_util.tree_leaves(tree, is_leaf=is_mp)))
 
 
 def check_health(

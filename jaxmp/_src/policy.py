@@ -14,6 +14,8 @@ from typing import Union
 import jmp
 import numpy as np
 
+from jaxmp._src.mixed_precision import LossScale
+
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
@@ -22,8 +24,10 @@ class Preset:
   Attributes:
     name: the preset's name, e.g. ``"O2"``.
     policy: param/compute/output dtypes.
-    loss_scale: ``"dynamic"`` (`jmp.DynamicLossScale`) or ``"none"``
-      (`jmp.NoOpLossScale`, a scale of 1).
+    loss_scale: the jmp loss-scale object for `jaxmp.mixed_precision`, as
+      Apex's ``loss_scale``: ``jmp.StaticLossScale(1.0)`` (O0, O3),
+      ``jmp.DynamicLossScale(2**15)`` (O1, O2, fp16 compute) or
+      ``jmp.NoOpLossScale()`` (bf16: no scaling needed).
     keep_batchnorm_fp32: BatchNorm params, statistics and arithmetic stay fp32.
     master_weights: half-precision params get fp32 master copies in the
       optimizer state.
@@ -32,10 +36,16 @@ class Preset:
 
   name: str
   policy: jmp.Policy
-  loss_scale: str
+  loss_scale: LossScale
   keep_batchnorm_fp32: bool
   master_weights: bool
   description: str
+
+
+# NumPy scalars: building a preset must not start a JAX backend at import.
+_DYNAMIC = jmp.DynamicLossScale(np.float32(2.0**15), counter=np.int32(0))
+_STATIC_ONE = jmp.StaticLossScale(np.float32(1.0))
+_NOOP = jmp.NoOpLossScale()
 
 
 def _preset(name, policy, loss_scale, keep_bn_fp32, master, description):
@@ -50,7 +60,7 @@ PRESETS = {
     _preset(
       "O0",
       "p=f32,c=f32,o=f32",
-      "none",
+      _STATIC_ONE,
       True,
       False,
       "fp32 everywhere: the accuracy baseline.",
@@ -58,7 +68,7 @@ PRESETS = {
     _preset(
       "O1",
       "p=f32,c=f16,o=f32",
-      "dynamic",
+      _DYNAMIC,
       True,
       False,
       "fp32 params, fp16 compute, BatchNorm fp32, dynamic loss scaling.",
@@ -66,7 +76,7 @@ PRESETS = {
     _preset(
       "O2",
       "p=f16,c=f16,o=f32",
-      "dynamic",
+      _DYNAMIC,
       True,
       True,
       "fp16 params and compute, BatchNorm fp32, fp32 master "
@@ -75,7 +85,7 @@ PRESETS = {
     _preset(
       "O3",
       "p=f16,c=f16,o=f16",
-      "none",
+      _STATIC_ONE,
       False,
       False,
       "pure fp16, no masters, no loss scaling: a speed baseline.",
@@ -83,7 +93,7 @@ PRESETS = {
     _preset(
       "bf16",
       "p=f32,c=bf16,o=f32",
-      "none",
+      _NOOP,
       True,
       False,
       "fp32 params, bfloat16 compute, no loss scaling needed.",
@@ -102,8 +112,9 @@ def get_preset(spec: str) -> Preset:
   """Returns the `Preset` for a preset name or a jmp policy string.
 
   A policy string gets the preset that matches its dtypes: half-precision
-  params keep fp32 masters, float16 compute gets dynamic loss scaling,
-  BatchNorm stays fp32.
+  params keep fp32 masters, float16 compute gets dynamic loss scaling
+  (``jmp.DynamicLossScale(2**15)``, else ``jmp.NoOpLossScale()``), BatchNorm
+  stays fp32.
 
   Args:
     spec: ``"O0"``..``"O3"``, ``"bf16"`` or a jmp policy string.
@@ -130,7 +141,7 @@ def get_preset(spec: str) -> Preset:
   return Preset(
     name=spec,
     policy=policy,
-    loss_scale="dynamic" if fp16_compute else "none",
+    loss_scale=_DYNAMIC if fp16_compute else _NOOP,
     keep_batchnorm_fp32=True,
     master_weights=_dtype_name(policy.param_dtype) in half,
     description="custom jmp policy",
