@@ -551,3 +551,19 @@ def test_train_py_init_from_mismatch_is_one_error_line(
   (line,) = [l for l in out.stderr.splitlines() if l.startswith("error:")]
   assert line.startswith(f"error: init_from {path}: state dict does not fit")
   assert line.endswith("missing: linear.bias")
+
+
+def test_bfloat16_torch_tensors_round_trip_exactly():
+  torch, tr = _torch_resnet()
+  net = tr.TorchvisionResNet18(num_classes=CLASSES, num_filters=FILTERS)
+  sd = {
+    k: v.bfloat16() if v.is_floating_point() else v
+    for k, v in net.state_dict().items()
+  }
+  back = models.to_torchvision(models.from_torchvision(sd))
+  for k, v in sd.items():
+    got = torch.from_numpy(back[k].astype(np.float32)).to(v.dtype)
+    assert back[k].dtype == (
+      jax.numpy.bfloat16 if v.is_floating_point() else np.int64
+    )
+    assert torch.equal(got, v), k
