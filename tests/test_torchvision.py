@@ -551,6 +551,7 @@ def test_train_py_init_from_mismatch_is_one_error_line(
   (line,) = [l for l in out.stderr.splitlines() if l.startswith("error:")]
   assert line.startswith(f"error: init_from {path}: state dict does not fit")
   assert line.endswith("missing: linear.bias")
+  assert not (tmp_path / "w" / "checkpoints").exists()
 
 
 def test_bfloat16_torch_tensors_round_trip_exactly():
