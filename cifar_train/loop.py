@@ -162,22 +162,22 @@ def train(
     nesterov=s.nesterov,
     weight_decay=s.weight_decay,
   )
+  # Read and checked before anything is written: a mismatch is one line.
+  initial = None
+  if s.init_from:
+    initial = steps.load_torch_weights(
+      s.init_from,
+      model_name=s.model,
+      num_classes=data.num_classes,
+      num_filters=s.num_filters,
+    )
   state = steps.create_train_state(
     model, optimizer, data.image_shape, seed=s.seed
   )
   manager = ckpt_lib.create_manager(workdir, s.keep_checkpoints)
   state, resumed = ckpt_lib.restore_latest(manager, state)
-  if s.init_from and not resumed:
-    state = steps.with_initial_weights(
-      state,
-      optimizer,
-      steps.load_torch_weights(
-        s.init_from,
-        model_name=s.model,
-        num_classes=data.num_classes,
-        num_filters=s.num_filters,
-      ),
-    )
+  if initial is not None and not resumed:
+    state = steps.with_initial_weights(state, optimizer, initial)
     print(f"Initialised params and batch_stats from {s.init_from}", flush=True)
   if jax.process_count() > 1:
     # Placing a committed one-device array on other processes' devices is a

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from _helpers import FAST_COMPILE
 from jaxmp import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -509,3 +510,61 @@ def test_init_from_mismatch_is_one_line_naming_the_tensor(
       str(tmp_path / "w2"),
       data=tiny_data,
     )
+
+
+def test_train_py_init_from_mismatch_is_one_error_line(
+  make_config, data_dir, tiny_data, tmp_path
+):
+  pytest.importorskip("safetensors")
+  import subprocess  # pylint: disable=g-import-not-at-top
+
+  del tiny_data  # Prepares the data set in data_dir.
+  path, _ = _tiny_weights_file(
+    tmp_path, make_config, data_dir, drop="linear.bias"
+  )
+  config = make_config(data_dir)
+  out = subprocess.run(
+    [
+      sys.executable,
+      "train.py",
+      "--config=configs/smoke.py",
+      f"--workdir={tmp_path / 'w'}",
+      f"--config.data_dir={data_dir}",
+      f"--config.synthetic_train_examples={config.synthetic_train_examples}",
+      f"--config.synthetic_test_examples={config.synthetic_test_examples}",
+      f"--config.num_filters={config.num_filters}",
+      f"--config.init_from={path}",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS=FAST_COMPILE,
+      TF_CPP_MIN_LOG_LEVEL="3",
+    ),
+  )
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr, out.stderr[-2000:]
+  (line,) = [l for l in out.stderr.splitlines() if l.startswith("error:")]
+  assert line.startswith(f"error: init_from {path}: state dict does not fit")
+  assert line.endswith("missing: linear.bias")
+  assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_bfloat16_torch_tensors_round_trip_exactly():
+  torch, tr = _torch_resnet()
+  net = tr.TorchvisionResNet18(num_classes=CLASSES, num_filters=FILTERS)
+  sd = {
+    k: v.bfloat16() if v.is_floating_point() else v
+    for k, v in net.state_dict().items()
+  }
+  back = models.to_torchvision(models.from_torchvision(sd))
+  for k, v in sd.items():
+    got = torch.from_numpy(back[k].astype(np.float32)).to(v.dtype)
+    assert back[k].dtype == (
+      jax.numpy.bfloat16 if v.is_floating_point() else np.int64
+    )
+    assert torch.equal(got, v), k

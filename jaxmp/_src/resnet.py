@@ -16,7 +16,8 @@ With ``fused_norm=True`` (default) each BatchNorm(+add)(+ReLU) is a
 half-precision input for the backward pass; ``fused_norm=False`` uses plain
 ``nn.BatchNorm`` + ``nn.relu``. Both give the same variable tree.
 
-Porting torchvision weights (``torch name -> flax path``; convs have no bias)::
+Porting torchvision weights (``jaxmp.models.from_torchvision`` and
+``to_torchvision`` do it; ``torch name -> flax path``; convs have no bias)::
 
   conv1.weight                 -> params/conv1/kernel
   bn1.{weight,bias}            -> params/bn1/{scale,bias}

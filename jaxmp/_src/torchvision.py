@@ -99,7 +99,7 @@ def _to_torch_layout(x: np.ndarray, kernel: bool) -> np.ndarray:
 
 
 def _layout(shapes: Mapping[str, Any], arch: str):
-  """``{torch name: (collection, flax path, torch shape, is kernel)}``."""
+  """``{torch name: (collection, flax path, torch shape, flax leaf name)}``."""
   out = {}
   for collection in ("params", "batch_stats"):
     flat = jax.tree_util.tree_flatten_with_path(shapes[collection])[0]
