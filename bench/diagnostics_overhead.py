@@ -1,0 +1,165 @@
+"""Cost of ``mixed_precision(..., diagnostics=True)`` in a whole train step.
+
+Run: ``python bench/diagnostics_overhead.py``  (under a minute on 2 cores)
+
+Two jitted train steps of the CIFAR ResNet18 (``jaxmp.models.resnet18``,
+10 classes, BatchNorm in train mode) in fp16 with fp32 masters (O2: fp16
+params and compute, fp32 BatchNorm), the same model, init and batch, on CPU:
+
+* ``off``: ``jaxmp.mixed_precision(inner, loss_scale=DynamicLossScale(2**15))``
+  with ``inner = chain(add_decayed_weights(5e-4), sgd(0.1, momentum=0.9))``.
+* ``on``: the same with ``diagnostics=True`` (per-leaf non-finite count,
+  largest finite |gradient| and zero-or-subnormal fraction, every step).
+
+Both steps donate their state; each repetition runs both back to back,
+alternating which goes first (AB BA ...), after two warm-up calls each. The
+headline is the median of the per-repetition ratios (on a shared machine
+the load drifts between repetitions; a ratio of two steps run a few
+milliseconds apart cancels most of it). Numbers on a loaded 2-core machine
+are noisy: rerun before reading a 1-2 % difference.
+
+It also lowers the whole step with ``diagnostics=False`` and with
+``mixed_precision`` built without the argument and compares the HLO text.
+
+Environment: ``BENCH_FILTERS`` (default 8), ``BENCH_BATCH`` (default 16),
+``BENCH_REPS`` (default 40).
+
+The last lines are ``off_hlo_equals_baseline: True|False`` and
+``diagnostics_step_time_ratio: X`` (on / off; goal <= 1.05).
+"""
+
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+
+import jaxmp
+from jaxmp.models import resnet18
+
+FILTERS = int(os.environ.get("BENCH_FILTERS", "8"))
+BATCH = int(os.environ.get("BENCH_BATCH", "16"))
+REPS = int(os.environ.get("BENCH_REPS", "40"))
+
+
+def make_step(model, optimizer):
+  """``step(state, images, labels) -> (state, loss)``, not yet jitted."""
+
+  def step(state, images, labels):
+    def loss_fn(params):
+      logits, new_vars = model.apply(
+        {"params": params, "batch_stats": state["batch_stats"]},
+        images,
+        train=True,
+        mutable=["batch_stats"],
+      )
+      loss = optax.softmax_cross_entropy_with_integer_labels(
+        logits, labels
+      ).mean()
+      return jaxmp.scale_loss(loss, state["opt"]), (loss, new_vars)
+
+    grads, (loss, new_vars) = jax.grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt = optimizer.update(grads, state["opt"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    stats = jaxmp.rollback_if_skipped(
+      opt, new_vars["batch_stats"], state["batch_stats"]
+    )
+    return {"params": params, "batch_stats": stats, "opt": opt}, loss
+
+  return step
+
+
+def main():
+  model = resnet18(
+    num_classes=10,
+    num_filters=FILTERS,
+    dtype=jnp.float16,
+    param_dtype=jnp.float16,
+  )
+  rng = np.random.default_rng(0)
+  images = jnp.asarray(rng.standard_normal((BATCH, 32, 32, 3)), jnp.float16)
+  labels = jnp.asarray(rng.integers(0, 10, BATCH), jnp.int32)
+  variables = jax.jit(lambda k: model.init(k, images[:1], train=False))(
+    jax.random.key(0)
+  )
+  inner = optax.chain(
+    optax.add_decayed_weights(5e-4), optax.sgd(0.1, momentum=0.9)
+  )
+  scale = lambda: jmp.DynamicLossScale(np.float32(2.0**15))
+  opts = {
+    "baseline": jaxmp.mixed_precision(inner, loss_scale=scale()),
+    "off": jaxmp.mixed_precision(inner, loss_scale=scale(), diagnostics=False),
+    "on": jaxmp.mixed_precision(inner, loss_scale=scale(), diagnostics=True),
+  }
+
+  def fresh_state(opt):
+    params = jax.tree.map(jnp.copy, variables["params"])
+    return {
+      "params": params,
+      "batch_stats": jax.tree.map(jnp.copy, variables["batch_stats"]),
+      "opt": opt.init(params),
+    }
+
+  hlo = {
+    name: jax.jit(make_step(model, opts[name]))
+    .lower(fresh_state(opts[name]), images, labels)
+    .as_text()
+    for name in ("baseline", "off")
+  }
+  cases = {
+    name: [
+      jax.jit(make_step(model, opts[name]), donate_argnums=(0,)),
+      fresh_state(opts[name]),
+    ]
+    for name in ("off", "on")
+  }
+
+  def run(name):
+    step, state = cases[name]
+    t = time.perf_counter()
+    state, loss = step(state, images, labels)
+    jax.block_until_ready((state, loss))
+    cases[name][1] = state
+    return time.perf_counter() - t
+
+  for _ in range(2):  # Warm-up: compile, touch memory.
+    for name in cases:
+      run(name)
+  times = {name: [] for name in cases}
+  order = list(cases)
+  for _ in range(REPS):
+    for name in order:
+      times[name].append(run(name))
+    order.reverse()
+  ratios = [a / b for a, b in zip(times["on"], times["off"])]
+  med = {name: statistics.median(t) for name, t in times.items()}
+  rows = jaxmp.overflow_report(cases["on"][1]["opt"])
+  n_params = sum(x.size for x in jax.tree.leaves(variables["params"]))
+  print(
+    f"jax {jax.__version__} on {jax.devices()[0].platform} "
+    f"({os.cpu_count()} cpus); ResNet18 CIFAR, {FILTERS} filters "
+    f"({n_params:,} params, {len(rows)} leaves), batch {BATCH}, fp16 (O2); "
+    f"{REPS} interleaved reps after 2 warm-up, median"
+  )
+  print(f"{'step':<6}{'median ms':>11}{'min ms':>9}{'max ms':>9}")
+  for name in cases:
+    print(
+      f"{name:<6}{med[name] * 1e3:>11.2f}{min(times[name]) * 1e3:>9.2f}"
+      f"{max(times[name]) * 1e3:>9.2f}"
+    )
+  print(
+    f"ratio of medians (on/off): {med['on'] / med['off']:.3f}; ratio of "
+    f"minima: {min(times['on']) / min(times['off']):.3f}"
+  )
+  print("last step's report (diagnostics on):")
+  print(str(rows))
+  print(f"off_hlo_equals_baseline: {hlo['off'] == hlo['baseline']}")
+  print(f"diagnostics_step_time_ratio: {statistics.median(ratios):.3f}")
+
+
+if __name__ == "__main__":
+  main()
