@@ -415,3 +415,21 @@ if __name__ == "__main__":
     distributed_main(sys.argv[2], int(sys.argv[3]))
   else:
     main(sys.argv[1])
+
+
+def tiny_mlp_params(dtype="float16"):
+  """A 4-8-3 two-layer MLP's params (``dense1``, ``dense2``), seeded."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {
+    "dense1": {
+      "kernel": (jax.random.normal(k1, (4, 8)) * 0.5).astype(dtype),
+      "bias": jnp.zeros(8, dtype),
+    },
+    "dense2": {
+      "kernel": jax.random.normal(k2, (8, 3)).astype(dtype),
+      "bias": jnp.zeros(3, dtype),
+    },
+  }

@@ -12,20 +12,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmp
+from _helpers import tiny_mlp_params
 
 
-def _params(dtype=jnp.float16):
-  k1, k2 = jax.random.split(jax.random.key(0))
-  return {
-    "dense1": {
-      "kernel": (jax.random.normal(k1, (4, 8)) * 0.5).astype(dtype),
-      "bias": jnp.zeros(8, dtype),
-    },
-    "dense2": {
-      "kernel": jax.random.normal(k2, (8, 3)).astype(dtype),
-      "bias": jnp.zeros(3, dtype),
-    },
-  }
+_params = tiny_mlp_params
 
 
 def _loss_fn(params, x, y):

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxmp
+from _helpers import tiny_mlp_params
 
 SCALE = 2.0**8
 PATHS = (
@@ -22,18 +23,7 @@ PATHS = (
 )
 
 
-def _params(dtype=jnp.float16):
-  k1, k2 = jax.random.split(jax.random.key(0))
-  return {
-    "dense1": {
-      "kernel": (jax.random.normal(k1, (4, 8)) * 0.5).astype(dtype),
-      "bias": jnp.zeros(8, dtype),
-    },
-    "dense2": {
-      "kernel": jax.random.normal(k2, (8, 3)).astype(dtype),
-      "bias": jnp.zeros(3, dtype),
-    },
-  }
+_params = tiny_mlp_params
 
 
 def _loss_fn(params, x, y):
