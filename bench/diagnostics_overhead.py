@@ -30,7 +30,7 @@ The last lines are ``off_hlo_equals_baseline: True|False`` and
 
 import os
 import statistics
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,9 @@ import numpy as np
 import optax
 
 import jaxmp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step_overhead  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jaxmp.models import resnet18
 
 FILTERS = int(os.environ.get("BENCH_FILTERS", "8"))
@@ -118,23 +121,7 @@ def main():
     for name in ("off", "on")
   }
 
-  def run(name):
-    step, state = cases[name]
-    t = time.perf_counter()
-    state, loss = step(state, images, labels)
-    jax.block_until_ready((state, loss))
-    cases[name][1] = state
-    return time.perf_counter() - t
-
-  for _ in range(2):  # Warm-up: compile, touch memory.
-    for name in cases:
-      run(name)
-  times = {name: [] for name in cases}
-  order = list(cases)
-  for _ in range(REPS):
-    for name in order:
-      times[name].append(run(name))
-    order.reverse()
+  times = step_overhead.time_interleaved(cases, images, labels, REPS)
   ratios = [a / b for a, b in zip(times["on"], times["off"])]
   med = {name: statistics.median(t) for name, t in times.items()}
   rows = jaxmp.overflow_report(cases["on"][1]["opt"])

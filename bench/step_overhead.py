@@ -91,6 +91,33 @@ def make_step(model, optimizer, scaled: bool):
   return jax.jit(step, donate_argnums=(0,))
 
 
+def time_interleaved(cases: dict, images, labels, reps: int) -> dict:
+  """Times ``{name: [step, state]}`` alternately (AB BA ...), 2 warm-ups.
+
+  Each step is ``step(state, images, labels) -> (state, loss)``; the states
+  in ``cases`` are advanced in place. Returns ``{name: [seconds, ...]}``.
+  """
+
+  def run(name):
+    step, state = cases[name]
+    t = time.perf_counter()
+    state, loss = step(state, images, labels)
+    jax.block_until_ready((state, loss))
+    cases[name][1] = state
+    return time.perf_counter() - t
+
+  for _ in range(2):  # Warm-up: compile, touch memory.
+    for name in cases:
+      run(name)
+  times = {name: [] for name in cases}
+  order = list(cases)
+  for _ in range(reps):
+    for name in order:
+      times[name].append(run(name))
+    order.reverse()
+  return times
+
+
 def main():
   model = resnet18(num_classes=10, num_filters=FILTERS)
   rng = np.random.default_rng(0)
@@ -119,23 +146,7 @@ def main():
     }
     cases[name] = [make_step(model, opt, scaled), state]
 
-  def run(name):
-    step, state = cases[name]
-    t = time.perf_counter()
-    state, loss = step(state, images, labels)
-    jax.block_until_ready((state, loss))
-    cases[name][1] = state
-    return time.perf_counter() - t
-
-  for _ in range(2):  # Warm-up: compile, touch memory.
-    for name in cases:
-      run(name)
-  times = {name: [] for name in cases}
-  order = list(cases)
-  for _ in range(REPS):
-    for name in order:
-      times[name].append(run(name))
-    order.reverse()
+  times = time_interleaved(cases, images, labels, REPS)
   med = {name: statistics.median(t) for name, t in times.items()}
   ratio = statistics.median(
     a / b for a, b in zip(times["jaxmp"], times["optax"])
