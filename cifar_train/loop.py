@@ -161,6 +161,7 @@ def train(
     momentum=s.momentum,
     nesterov=s.nesterov,
     weight_decay=s.weight_decay,
+    seed=s.seed,
   )
   # Read and checked before anything is written: a mismatch is one line.
   initial = None

@@ -21,6 +21,13 @@ from cifar_train.errors import ConfigError
 MODELS = ("resnet18", "resnet18_torchvision")
 SCHEDULES = ("cosine", "constant")
 DATASETS = ("cifar10", "cifar100", "image_folder", "synthetic")
+# config.master_weights -> jaxmp.mixed_precision's master_weights.
+MASTER_WEIGHTS = {
+  "fp32": True,
+  "none": False,
+  "kahan": "kahan",
+  "stochastic": "stochastic",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +42,8 @@ class Precision:
     loss_scale: the jmp loss-scale object handed to `jaxmp.mixed_precision`.
     max_loss_scale: the cap of a dynamic scale.
     hysteresis: back off from the ``hysteresis``-th overflow in a row.
-    master_weights: half-precision params keep fp32 masters.
+    master_weights: `jaxmp.mixed_precision`'s ``master_weights``: ``True``
+      (fp32 masters), ``False``, ``"kahan"`` or ``"stochastic"``.
   """
 
   name: str
@@ -45,7 +53,7 @@ class Precision:
   loss_scale: jaxmp.LossScale
   max_loss_scale: float
   hysteresis: int
-  master_weights: bool
+  master_weights: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +111,14 @@ def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
       factor=config.loss_scale_factor,
       min_loss_scale=np.float32(config.min_loss_scale),
     )
+  master_weights = preset.master_weights
+  if config.master_weights:
+    if config.master_weights not in MASTER_WEIGHTS:
+      raise ConfigError(
+        f"unknown master_weights {config.master_weights!r}; valid: "
+        f"{', '.join(MASTER_WEIGHTS)} (or '' for the preset's)"
+      )
+    master_weights = MASTER_WEIGHTS[config.master_weights]
   norm_dtype = jnp.float32 if preset.keep_batchnorm_fp32 else policy.param_dtype
   return Precision(
     name=preset.name,
@@ -112,7 +128,7 @@ def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
     loss_scale=loss_scale,
     max_loss_scale=float(config.max_loss_scale),
     hysteresis=int(config.loss_scale_hysteresis),
-    master_weights=preset.master_weights,
+    master_weights=master_weights,
   )
 
 

@@ -84,11 +84,13 @@ def create_optimizer(
   momentum: float,
   nesterov: bool = False,
   weight_decay: float = 0.0,
+  seed: int = 0,
 ) -> optax.GradientTransformation:
   """SGD with momentum and coupled weight decay (torch.optim.SGD), wrapped.
 
   Apex's FusedSGD fused the update into one kernel; here XLA fuses the whole
-  optax chain, masters and loss-scale bookkeeping included.
+  optax chain, masters and loss-scale bookkeeping included. ``seed`` keys
+  the rounding of ``master_weights="stochastic"``.
   """
   inner = optax.chain(
     optax.add_decayed_weights(weight_decay),
@@ -100,6 +102,7 @@ def create_optimizer(
     max_loss_scale=precision.max_loss_scale,
     hysteresis=precision.hysteresis,
     master_weights=precision.master_weights,
+    rounding_key=seed,
   )
 
 

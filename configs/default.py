@@ -29,9 +29,13 @@ def get_config() -> ml_collections.ConfigDict:
   # kuangliu/pytorch-cifar's ("resnet18"). A checkpoint in the workdir wins.
   config.init_from = ""
 
-  # Precision: an Apex-style preset (O0, O1, O2, O3, bf16) or a jmp policy
-  # string such as "params=float32,compute=float16,output=float32".
+  # Precision: an Apex-style preset (O0, O1, O2, O3, bf16, bf16-kahan,
+  # bf16-stochastic) or a jmp policy string such as
+  # "params=float32,compute=float16,output=float32".
   config.policy = "O2"
+  # How half-precision params keep their updates: "" (the preset's), "fp32"
+  # (fp32 masters), "kahan", "stochastic" (no fp32 copy) or "none".
+  config.master_weights = ""
   # Dynamic loss scaling (used when the preset asks for it).
   config.init_loss_scale = 2.0**15
   config.loss_scale_period = 2000

@@ -28,6 +28,7 @@ from jaxmp._src.policy import get_policy
 from jaxmp._src.policy import get_preset
 from jaxmp._src.policy import Preset
 from jaxmp._src.policy import PRESETS
+from jaxmp._src.rounding import stochastic_round
 
 __version__ = "0.1.0"
 
@@ -55,4 +56,5 @@ __all__ = (
   "rollback_if_skipped",
   "scale_loss",
   "stats",
+  "stochastic_round",
 )

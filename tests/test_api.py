@@ -46,6 +46,7 @@ PUBLIC = {
     "rollback_if_skipped",
     "scale_loss",
     "stats",
+    "stochastic_round",
   ),
   "jaxmp.nn": ("BatchNorm", "conv_general_dilated"),
   "jaxmp.models": (

@@ -11,6 +11,7 @@ import pytest
 import jaxmp
 
 F32, F16 = np.dtype("float32"), np.dtype("float16")
+BF16 = np.dtype(jnp.bfloat16)
 
 # (param dtype of Dense layers, of BatchNorm, loss-scale kind, initial scale,
 # masters) per preset: Apex's cast_model_type, keep_batchnorm_fp32,
@@ -21,6 +22,8 @@ EXPECTED = {
   "O2": (F16, F32, "dynamic", 2.0**15, True),
   "O3": (F16, F16, "static", 1.0, False),
   "bf16": (F32, F32, "noop", 1.0, False),
+  "bf16-kahan": (BF16, F32, "noop", 1.0, "kahan"),
+  "bf16-stochastic": (BF16, F32, "noop", 1.0, "stochastic"),
 }
 
 
@@ -91,11 +94,12 @@ class TestInitialize:
     state = opt.init(params)
     assert state.config.kind == kind
     assert float(jaxmp.stats(state)["loss_scale"]) == scale
-    has_masters = any(
-      m is not None
-      for m in jax.tree.leaves(state.master_params, is_leaf=lambda x: x is None)
+    has = lambda tree: any(
+      x is not None for x in jax.tree.leaves(tree, is_leaf=lambda x: x is None)
     )
-    assert has_masters == masters
+    assert has(state.master_params) == (masters is True)
+    assert has(state.compensation) == (masters == "kahan")
+    assert (state.rounding_key is not None) == (masters == "stochastic")
 
   def test_keep_fp32_predicate_and_overrides(self):
     params, opt = jaxmp.initialize(

@@ -397,7 +397,7 @@ class TestMastersAndSkips:
       {"w": jnp.full(4, 4.0, jnp.float16)}, state, params
     )
     assert optax.apply_updates(params, updates)["w"].tolist() == [0.75] * 4
-    with pytest.raises(ValueError, match="no master"):
+    with pytest.raises(ValueError, match="no fp32 master"):
       jaxmp.master_params(state)
 
   def test_master_params_without_params_for_all_half_tree(self):

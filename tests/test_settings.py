@@ -30,6 +30,7 @@ def test_every_config_key_becomes_a_setting():
     "min_loss_scale",
     "max_loss_scale",
     "loss_scale_hysteresis",
+    "master_weights",
   }
   assert set(config.keys()) - precision_keys == fields - {"precision"}
 
@@ -56,6 +57,7 @@ def test_seed_config_is_the_apex_script():
     ("O2", jnp.float16, jnp.float16, jnp.float32, jmp.DynamicLossScale, True),
     ("O3", jnp.float16, jnp.float16, jnp.float16, None, False),
     ("bf16", jnp.float32, jnp.bfloat16, jnp.float32, None, False),
+    ("bf16-kahan", jnp.bfloat16, jnp.bfloat16, jnp.float32, None, "kahan"),
   ],
 )
 def test_precision_record(policy, param, compute, norm, scale_type, masters):
@@ -101,4 +103,22 @@ def test_bad_values_name_the_key(override, match):
   for key, value in override.items():
     config[key] = value
   with pytest.raises(ConfigError, match=match):
+    settings.resolve(config)
+
+
+@pytest.mark.parametrize(
+  "value,want",
+  [("", True), ("fp32", True), ("none", False), ("kahan", "kahan")],
+)
+def test_master_weights_override(value, want):
+  config = default.get_config()
+  config.policy = "O2"
+  config.master_weights = value
+  assert settings.resolve(config).precision.master_weights == want
+
+
+def test_unknown_master_weights_lists_the_valid_ones():
+  config = default.get_config()
+  config.master_weights = "fp64"
+  with pytest.raises(ConfigError, match="unknown master_weights 'fp64'.*kahan"):
     settings.resolve(config)

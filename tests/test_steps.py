@@ -22,7 +22,9 @@ def _setup(make_config, data_dir, **overrides):
   return s, model, optimizer, state
 
 
-@pytest.mark.parametrize("policy", ["O0", "O1", "O2", "O3", "bf16"])
+@pytest.mark.parametrize(
+  "policy", ["O0", "O1", "O2", "O3", "bf16", "bf16-kahan"]
+)
 def test_one_train_step_per_policy(policy, make_config, data_dir):
   # 2**15 overflows the fp16 gradients of this tiny net on its first step,
   # which dynamic scaling would then handle by skipping; start lower here.

@@ -113,7 +113,10 @@ def master_params(opt_state: Any, params: Optional[Any] = None) -> Any:
 
   Half-precision params have an fp32 master in the state. fp32 params are
   their own masters and are not copied into the state; pass ``params`` to
-  fill them in (and, with ``master_weights=False``, to upcast every param).
+  fill them in. Without fp32 masters pass ``params`` too: with
+  ``master_weights="kahan"`` a half param's estimate is ``param +
+  compensation`` (exact in fp32), with ``"stochastic"`` or ``"none"`` it is
+  the upcast param.
 
   Args:
     opt_state: the optax state holding a `mixed_precision` state.
@@ -125,7 +128,8 @@ def master_params(opt_state: Any, params: Optional[Any] = None) -> Any:
   Raises:
     ValueError: when a leaf has no master and ``params`` was not given.
   """
-  masters = find_state(opt_state).master_params
+  state = find_state(opt_state)
+  masters = state.master_params
   if params is None:
     missing = [
       jax.tree_util.keystr(path)
@@ -136,12 +140,13 @@ def master_params(opt_state: Any, params: Optional[Any] = None) -> Any:
     ]
     if missing:
       raise ValueError(
-        f"{len(missing)} param(s) have no master in the state because they "
-        f"are fp32 already (first: {missing[0]}); call "
+        f"{len(missing)} param(s) have no fp32 master in the state (first: "
+        f"{missing[0]}): fp32 params are their own masters, and "
+        "master_weights other than 'fp32' keep none; call "
         "jaxmp.master_params(opt_state, params)"
       )
     return masters
-  return mp._full_precision(params, masters)  # pylint: disable=protected-access
+  return mp._full_view(params, masters, state.compensation)  # pylint: disable=protected-access
 
 
 def stats(opt_state: Any) -> dict[str, jax.Array]:

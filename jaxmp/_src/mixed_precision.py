@@ -41,6 +41,7 @@ import numpy as np
 import optax
 
 from jaxmp._src import diagnostics as diag
+from jaxmp._src import rounding
 
 LossScale = Union[jmp.NoOpLossScale, jmp.StaticLossScale, jmp.DynamicLossScale]
 
@@ -93,6 +94,11 @@ class MixedPrecisionState(NamedTuple):
     consecutive_nonfinite_loss: int32, such steps in a row up to now.
     diagnostics: ``None``, or with ``diagnostics=True`` the last step's
       per-leaf gradient statistics (see `jaxmp.overflow_report`).
+    compensation: with ``master_weights="kahan"``, for each half-precision
+      param the rounding error of its last update, in the param's dtype
+      (``param + compensation`` is the fp32 estimate); ``None`` elsewhere.
+    rounding_key: with ``master_weights="stochastic"``, the raw ``uint32[2]``
+      PRNG key of the next step's rounding; ``None`` otherwise.
   """
 
   inner_state: optax.OptState
@@ -106,6 +112,50 @@ class MixedPrecisionState(NamedTuple):
   nonfinite_loss_steps: Optional[jax.Array] = None
   consecutive_nonfinite_loss: Optional[jax.Array] = None
   diagnostics: Optional[diag.GradDiagnostics] = None
+  compensation: Any = None
+  rounding_key: Optional[jax.Array] = None
+
+
+MASTER_WEIGHTS = ("fp32", "none", "kahan", "stochastic")
+
+
+def _master_mode(master_weights) -> str:
+  """``True``/``False`` or a name of `MASTER_WEIGHTS`, as the name."""
+  if isinstance(master_weights, (bool, np.bool_)):
+    return "fp32" if master_weights else "none"
+  if isinstance(master_weights, str) and master_weights in MASTER_WEIGHTS:
+    return master_weights
+  raise ValueError(
+    "master_weights must be True/'fp32', False/'none', 'kahan' or "
+    f"'stochastic', got {master_weights!r}"
+  )
+
+
+def _raw_key(key) -> jax.Array:
+  """The raw ``uint32[2]`` threefry key of an int seed or a PRNG key."""
+  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+    return jax.random.key_data(jax.random.key(int(key)))
+  if isinstance(key, jax.Array) and jnp.issubdtype(
+    key.dtype, jax.dtypes.prng_key
+  ):
+    if key.shape != () or jax.random.key_impl(key) != jax.random.key_impl(
+      jax.random.key(0)
+    ):
+      raise ValueError(
+        "rounding_key must be one PRNG key of the default (threefry) "
+        f"implementation, got {key!r}"
+      )
+    return jax.random.key_data(key)
+  if (
+    isinstance(key, (jax.Array, np.ndarray))
+    and key.shape == (2,)
+    and key.dtype == np.uint32
+  ):
+    return jnp.asarray(key)
+  raise ValueError(
+    "rounding_key must be an int seed, a jax.random.key or a raw uint32[2] "
+    f"key, got {key!r}"
+  )
 
 
 def _config_from(
@@ -304,9 +354,10 @@ def mixed_precision(
   loss_scale: Optional[Union[LossScale, float]] = None,
   max_loss_scale: Optional[float] = 2.0**24,
   hysteresis: int = 1,
-  master_weights: bool = True,
+  master_weights: Union[bool, str] = True,
   axis_name: Optional[str] = None,
   diagnostics: bool = False,
+  rounding_key: Union[int, jax.Array] = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer with FP32 master params and loss scaling.
 
@@ -359,6 +410,34 @@ def mixed_precision(
   backs the scale off, as in every other scaler. Under `jaxmp.multi_steps`
   only the loss given with a window's last microbatch is checked.
 
+  Master weights (``master_weights``) decide how a half-precision param
+  takes an fp32 update ``u`` computed from its fp32 value ``v``:
+
+  - ``True``/``"fp32"``: an fp32 master ``m`` in the state (4 bytes a
+    param): ``m += u``, param ``= cast(m)``.
+  - ``"kahan"``: a compensation buffer ``c`` in the param's dtype (2 bytes):
+    ``v = param + c``, then ``param, c = split(v + u)``, ``param`` the
+    nearest half value and ``c`` the rest (see `jaxmp.stochastic_round`'s
+    module for the bound). The inner optimizer sees ``param + c``. Each
+    step adds an error of at most ``2**-p * ulp(param) / 2`` (``p`` = 8 for
+    bfloat16), far below a plain half update's ``ulp / 2``; float16's
+    compensation goes subnormal, and loses bits, for params below about
+    ``2**-4``.
+  - ``"stochastic"``: no buffer; ``param = stochastic_round(v + u)``, up or
+    down at random in proportion, so every update counts in expectation. The
+    key is in the state (from ``rounding_key``): the rounding is
+    deterministic given it, and a skipped step does not advance it. Under
+    ``shard_map``/``pmap`` every device draws from the same key, so
+    replicated params round identically; shards of a param split over
+    devices each reuse the same stream (independent of each other only in
+    that their values differ).
+  - ``False``/``"none"``: no buffer, round to nearest (Apex O3): an update
+    below half an ulp of the param is lost.
+
+  Skipped steps leave masters, compensation and key untouched. fp32 params
+  are their own masters in every mode. `jaxmp.master_params` returns the
+  best fp32 estimate: the master, ``param + c``, or the upcast param.
+
   Args:
     inner: the optimizer to run on unscaled fp32 gradients and masters, e.g.
       ``optax.sgd(0.1, momentum=0.9)`` or any chain.
@@ -369,8 +448,9 @@ def mixed_precision(
       still never grows to inf).
     hysteresis: a dynamic scale backs off only from the ``hysteresis``-th
       overflow in a row; every overflowed step is skipped regardless.
-    master_weights: keep fp32 masters of half-precision params. ``False``
-      (Apex O3) updates half params in place through fp32 arithmetic.
+    master_weights: how half-precision params keep their fp32 updates:
+      ``True``/``"fp32"`` (fp32 masters), ``"kahan"``, ``"stochastic"`` or
+      ``False``/``"none"`` (Apex O3, the plain half update); see above.
     axis_name: name of a mapped axis (``shard_map``/``pmap``) over which the
       finite flag is reduced, so that every device skips together. Not needed
       under ``jit`` with sharded arrays: the check is global there. Under
@@ -382,6 +462,8 @@ def mixed_precision(
       the zero-or-subnormal fraction of half-precision gradients); read them
       with `jaxmp.overflow_report`. ``False`` (the default) leaves the state
       and the compiled step exactly as without it.
+    rounding_key: the seed (an int) or PRNG key of
+      ``master_weights="stochastic"``; ignored by the other modes.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; extra args go to ``inner``.
@@ -401,6 +483,8 @@ def mixed_precision(
       f"diagnostics must be a Python bool, got {diagnostics!r}; with "
       "optax.inject_hyperparams pass it in static_args"
     )
+  mode = _master_mode(master_weights)
+  key0 = _raw_key(rounding_key) if mode == "stochastic" else None
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -418,13 +502,18 @@ def mixed_precision(
           "mixed_precision needs floating-point params; "
           f"{jax.tree_util.keystr(path)} has dtype {leaf.dtype}"
         )
-    if master_weights:
+    if mode == "fp32":
       masters = jax.tree.map(
         lambda p: p.astype(jnp.float32) if _is_half(p) else None, params
       )
     else:
       masters = jax.tree.map(lambda p: None, params)
-    full = _full_precision(params, masters)
+    compensation = None
+    if mode == "kahan":
+      compensation = jax.tree.map(
+        lambda p: jnp.zeros_like(p) if _is_half(p) else None, params
+      )
+    full = _full_view(params, masters, compensation)
     inner_state = inner.init(full)
     if _find_multisteps(inner_state):
       raise ValueError(
@@ -444,6 +533,8 @@ def mixed_precision(
       nonfinite_loss_steps=jnp.zeros([], jnp.int32),
       consecutive_nonfinite_loss=jnp.zeros([], jnp.int32),
       diagnostics=diag.init_diagnostics(params) if diagnostics else None,
+      compensation=compensation,
+      rounding_key=key0,
     )
 
   def update_fn(grads, state, params=None, *, loss=None, **extra_args):
@@ -480,7 +571,7 @@ def mixed_precision(
       finite = grads_finite & loss_finite  # The step is applied.
 
     grads = jax.tree.map(lambda g: g.astype(jnp.float32) * inv_scale, grads)
-    full = _full_precision(params, state.master_params)
+    full = _full_view(params, state.master_params, state.compensation)
     inner_updates, inner_state = inner.update(
       grads, state.inner_state, full, **extra_args
     )
@@ -510,8 +601,25 @@ def mixed_precision(
       # -0.0 is the additive identity of every float, signed zeros included.
       return jnp.where(finite, u, jnp.asarray(-0.0, u.dtype))
 
-    # From the selected masters: XLA reads them instead of redoing the step.
-    updates = jax.tree.map(outer_update, params, inner_updates, masters)
+    compensation = rounding_key = None
+    if mode == "fp32":
+      # From the selected masters: XLA reads them instead of redoing the step.
+      targets = masters
+    elif mode == "kahan":
+      targets, compensation = _kahan_targets(params, new_full)
+      compensation = jax.tree.map(
+        lambda c, n: None if c is None else keep(n, c),
+        state.compensation,
+        compensation,
+        is_leaf=lambda x: x is None,
+      )
+    elif mode == "stochastic":
+      next_key, step_key = jax.random.split(state.rounding_key)
+      targets = _stochastic_targets(params, new_full, step_key)
+      rounding_key = keep(next_key, state.rounding_key)
+    else:
+      targets = jax.tree.map(lambda p: None, params)
+    updates = jax.tree.map(outer_update, params, inner_updates, targets)
 
     skips = jnp.where(grads_finite, 0, state.consecutive_skips + 1)
     new_scale, counter = adjust_loss_scale(
@@ -539,9 +647,55 @@ def mixed_precision(
       nonfinite_loss_steps=loss_steps,
       consecutive_nonfinite_loss=loss_run,
       diagnostics=report,
+      compensation=compensation,
+      rounding_key=rounding_key,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _kahan_targets(params, new_full):
+  """New half params and their compensation (``None`` for fp32 params)."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  news = treedef.flatten_up_to(new_full)
+  hi, lo = [], []
+  for p, n in zip(leaves, news):
+    h, l = rounding.kahan_split(n, p.dtype) if _is_half(p) else (None, None)
+    hi.append(h)
+    lo.append(l)
+  unflatten = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
+  return unflatten(hi), unflatten(lo)
+
+
+def _stochastic_targets(params, new_full, key):
+  """The stochastically rounded half params (``None`` for fp32 params).
+
+  Leaf ``i`` of the flattened params draws from ``fold_in(key, i)``.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  news = treedef.flatten_up_to(new_full)
+  out = []
+  for i, (p, n) in enumerate(zip(leaves, news)):
+    if _is_half(p):
+      bits = jax.random.bits(jax.random.fold_in(key, i), p.shape, jnp.uint32)
+      out.append(rounding.round_with_bits(n, p.dtype, bits))
+    else:
+      out.append(None)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _full_view(params, masters, compensation):
+  """fp32 view of the params: masters, or param + compensation (Kahan)."""
+  if compensation is None:
+    return _full_precision(params, masters)
+
+  def view(c, p):
+    if p is None:
+      return None
+    full = p.astype(jnp.float32)
+    return full if c is None else full + c.astype(jnp.float32)
+
+  return jax.tree.map(view, compensation, params, is_leaf=lambda x: x is None)
 
 
 def _full_precision(params, masters):

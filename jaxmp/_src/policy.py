@@ -1,4 +1,4 @@
-"""Precision policies and Apex-style presets (O0, O1, O2, O3, bf16).
+"""Precision policies and Apex-style presets (O0-O3, bf16, bf16-kahan...).
 
 A `jmp.Policy` says which dtype params are stored in, which dtype the forward
 and backward pass compute in, and which dtype the model's output is cast to.
@@ -29,8 +29,10 @@ class Preset:
       ``jmp.DynamicLossScale(2**15)`` (O1, O2, fp16 compute) or
       ``jmp.NoOpLossScale()`` (bf16: no scaling needed).
     keep_batchnorm_fp32: BatchNorm params, statistics and arithmetic stay fp32.
-    master_weights: half-precision params get fp32 master copies in the
-      optimizer state.
+    master_weights: how half-precision params keep their updates, as
+      `jaxmp.mixed_precision`'s ``master_weights``: ``True`` (fp32 master
+      copies in the optimizer state), ``False`` (none: the plain half
+      update), ``"kahan"`` or ``"stochastic"`` (no fp32 copy; see there).
     description: one line for humans.
   """
 
@@ -38,7 +40,7 @@ class Preset:
   policy: jmp.Policy
   loss_scale: LossScale
   keep_batchnorm_fp32: bool
-  master_weights: bool
+  master_weights: Union[bool, str]
   description: str
 
 
@@ -97,6 +99,24 @@ PRESETS = {
       True,
       False,
       "fp32 params, bfloat16 compute, no loss scaling needed.",
+    ),
+    _preset(
+      "bf16-kahan",
+      "p=bf16,c=bf16,o=f32",
+      _NOOP,
+      True,
+      "kahan",
+      "bfloat16 params and compute, BatchNorm fp32, Kahan-compensated "
+      "updates instead of fp32 masters (2 bytes a param, not 4).",
+    ),
+    _preset(
+      "bf16-stochastic",
+      "p=bf16,c=bf16,o=f32",
+      _NOOP,
+      True,
+      "stochastic",
+      "bfloat16 params and compute, BatchNorm fp32, stochastically rounded "
+      "updates instead of fp32 masters (no extra bytes).",
     ),
   )
 }
