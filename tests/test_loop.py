@@ -93,16 +93,27 @@ def test_eval_counts_every_example_once(make_config, data_dir, tiny_data):
 
 
 @pytest.mark.invariant
-@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize(
+  "on_device,policy",
+  [
+    (False, "O2"),
+    (True, "O2"),
+    (False, "bf16-kahan"),
+    (False, "bf16-stochastic"),
+  ],
+)
 def test_resume_is_exact_for_the_whole_state(
-  on_device, make_config, data_dir, tiny_data, tmp_path
+  on_device, policy, make_config, data_dir, tiny_data, tmp_path
 ):
   """6 steps in one go == 4 steps, stop, resume to 6: every bit of the state.
 
   The state fingerprint covers step, params, BatchNorm statistics, the whole
-  optimizer state (masters, momentum, loss scale, counters) and the data key.
+  optimizer state (masters or Kahan compensation or rounding key, momentum,
+  loss scale, counters) and the data key.
   """
-  config = lambda **kw: make_config(data_dir, data_on_device=on_device, **kw)
+  config = lambda **kw: make_config(
+    data_dir, data_on_device=on_device, policy=policy, **kw
+  )
   full = str(tmp_path / "full")
   ref = loop.train_and_evaluate(config(), full, data=tiny_data)
   split = str(tmp_path / "split")

@@ -210,8 +210,12 @@ def test_multi_steps_window_equals_one_step_on_the_mean(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_four_devices_round_alike(mode):
-  """shard_map with pmean'd gradients: replicated params and state (P()),
-  equal to one device bit for bit; jit over sharded params: the same too."""
+  """Four devices give one device's params, bit for bit.
+
+  shard_map with pmean'd gradients keeps params and state replicated (P()
+  out_specs pass check_vma); jit over params split across the devices draws
+  the same rounding too.
+  """
   params, grads = _problem()
   ref, ref_state = _run(mode, params, [grads] * 3)
   mesh = jax.make_mesh((4,), ("d",))
@@ -281,3 +285,16 @@ def test_bad_mode_and_key_are_one_clear_error():
   )
   key = opt.init({"w": jnp.ones(2, BF16)}).rounding_key
   np.testing.assert_array_equal(key, jax.random.key_data(jax.random.key(7)))
+
+
+def test_each_init_has_its_own_key_buffer():
+  """A donated state must not delete the key of a second `init`'s state."""
+  opt = jaxmp.mixed_precision(
+    optax.sgd(0.1), loss_scale=1.0, master_weights="stochastic"
+  )
+  params = {"w": jnp.ones(4, BF16)}
+  a, b = opt.init(params), opt.init(params)
+  step = jax.jit(lambda s: opt.update(params, s, params)[1], donate_argnums=0)
+  step(a)
+  assert not b.rounding_key.is_deleted()
+  step(b)

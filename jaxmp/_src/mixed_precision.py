@@ -484,7 +484,9 @@ def mixed_precision(
       "optax.inject_hyperparams pass it in static_args"
     )
   mode = _master_mode(master_weights)
-  key0 = _raw_key(rounding_key) if mode == "stochastic" else None
+  # On the host: each ``init`` makes its own buffer (a donated state must not
+  # delete the key of another one).
+  key0 = np.asarray(_raw_key(rounding_key)) if mode == "stochastic" else None
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -534,7 +536,7 @@ def mixed_precision(
       consecutive_nonfinite_loss=jnp.zeros([], jnp.int32),
       diagnostics=diag.init_diagnostics(params) if diagnostics else None,
       compensation=compensation,
-      rounding_key=key0,
+      rounding_key=None if key0 is None else jnp.asarray(key0),
     )
 
   def update_fn(grads, state, params=None, *, loss=None, **extra_args):
