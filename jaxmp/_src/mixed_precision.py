@@ -134,7 +134,8 @@ def _master_mode(master_weights) -> str:
 def _raw_key(key) -> jax.Array:
   """The raw ``uint32[2]`` threefry key of an int seed or a PRNG key."""
   if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-    return jax.random.key_data(jax.random.key(int(key)))
+    with jax.ensure_compile_time_eval():  # Concrete, also inside jit.
+      return jax.random.key_data(jax.random.key(int(key)))
   if isinstance(key, jax.Array) and jnp.issubdtype(
     key.dtype, jax.dtypes.prng_key
   ):
@@ -486,7 +487,9 @@ def mixed_precision(
   mode = _master_mode(master_weights)
   # On the host: each ``init`` makes its own buffer (a donated state must not
   # delete the key of another one).
-  key0 = np.asarray(_raw_key(rounding_key)) if mode == "stochastic" else None
+  key0 = _raw_key(rounding_key) if mode == "stochastic" else None
+  if key0 is not None and not isinstance(key0, jax.core.Tracer):
+    key0 = np.asarray(key0)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
