@@ -358,6 +358,10 @@ def train(
             max_nonfinite_loss_steps=s.max_nonfinite_loss_steps,
           )
         except (jaxmp.LossScaleCollapseError, jaxmp.NonFiniteLossError) as e:
+          # Finish the pending save: orbax's writer thread must not outlive
+          # the run (it fails at interpreter exit with a traceback).
+          ckpt_lib.wait_until_finished(manager)
+          manager.close()
           raise TrainingError(str(e)) from None
       if ckpt_lib.should_save(
         s.checkpoint_every_steps, step, epoch_end, total_steps

@@ -30,6 +30,7 @@ def test_overflow_names_its_leaf_and_auto_scale_trains(
     inject_overflow_at_step=2,
     inject_overflow_leaf="layer3_1/conv2/kernel",
     log_every_steps=3,  # The overflow at step 2 is between log steps.
+    data_on_device=True,  # Calibrates on the batch gathered on the device.
   )
   assert cli.run(config, workdir, data=tiny_data) == 0
   out = capsys.readouterr().out
