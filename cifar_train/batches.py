@@ -39,6 +39,9 @@ class BatchSource(Protocol):
   ) -> Iterator[tuple[Any, ...]]:
     """The ``args`` of the next ``num_batches`` steps of ``epoch``."""
 
+  def batch(self, state: steps.TrainState, *args: Any) -> tuple[Any, Any]:
+    """``(images, labels)`` that a step on ``args`` of `epoch` trains on."""
+
 
 class HostStream:
   """Batches from `host_stream.train_batches`, one host-to-device copy each."""
@@ -88,6 +91,11 @@ class HostStream:
       b = mesh.global_batch(batch, self._batch_sharding)
       yield b["image"], b["label"]
 
+  def batch(self, state, images, labels):
+    """The step's batch is its arguments."""
+    del state
+    return images, labels
+
 
 class DeviceResident:
   """The whole uint8 training set on the devices (airbench style)."""
@@ -114,6 +122,7 @@ class DeviceResident:
       batch_sharding=batch_sharding,
     )
     self._replicated = replicated
+    self._batch = jax.jit(steps.make_device_batch(**self._step_args))
     n = self._num_examples
     self._perm = jax.jit(
       lambda key, epoch: device_data.device_epoch_permutation(
@@ -138,3 +147,7 @@ class DeviceResident:
     perm = self._perm(state.rng, epoch)
     for batch in range(start_batch, start_batch + num_batches):
       yield self._images, self._labels, perm, np.int32(batch)
+
+  def batch(self, state, images_u8, labels, perm, batch_index):
+    """The batch gathered and augmented as the step does it."""
+    return self._batch(state, images_u8, labels, perm, batch_index)

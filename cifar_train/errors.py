@@ -26,4 +26,4 @@ class WorkdirError(UserError, PermissionError):
 
 
 class TrainingError(UserError, RuntimeError):
-  """Training cannot go on (the loss scale collapsed: NaN data, divergence)."""
+  """Training cannot go on: the loss itself is NaN/inf or the scale collapsed."""

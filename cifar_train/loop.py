@@ -15,6 +15,7 @@ from typing import Optional
 
 from absl import logging
 import jax
+import numpy as np
 import ml_collections
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -22,6 +23,7 @@ import jaxmp
 from cifar_train import batches as batches_lib
 from cifar_train import checkpoint as ckpt_lib
 from cifar_train import data_sources
+from cifar_train import faults as faults_lib
 from cifar_train import host_stream
 from cifar_train import mesh as mesh_lib
 from cifar_train import reporting
@@ -73,6 +75,61 @@ def evaluate(
     "accuracy": float(totals["correct"]) / count,
     "count": int(totals["count"]),
   }
+
+
+def calibrate(
+  precision: settings_lib.Precision,
+  loss_fn,
+  state: steps.TrainState,
+  source: batches_lib.BatchSource,
+) -> settings_lib.Precision:
+  """``precision`` starting from `jaxmp.calibrate_loss_scale`.
+
+  Probes the first batch of a fresh run (``state`` at step 0); prints the
+  scale chosen and the number of gradient evaluations it took.
+
+  Raises:
+    TrainingError: the gradients are non-finite at every probed scale (the
+      loss itself is NaN/inf, or the model overflows in any case).
+  """
+  args = next(iter(source.epoch(state, 0, 0, 1)))
+  images, labels = source.batch(state, *args)
+  ls = precision.loss_scale
+  try:
+    scale, evaluations = jaxmp.calibrate_loss_scale(
+      loss_fn,
+      state.params,
+      state.batch_stats,
+      images,
+      labels,
+      min_loss_scale=float(ls.min_loss_scale),
+      max_loss_scale=precision.max_loss_scale,
+      has_aux=True,
+      return_evaluations=True,
+    )
+  except ValueError as e:
+    raise TrainingError(f"init_loss_scale 'auto': {e}") from None
+  # The largest finite probe over the margin may lie below the floor.
+  scale = max(scale, float(ls.min_loss_scale))
+  print(
+    f"init_loss_scale 'auto': {scale:g} (2^{int(np.log2(scale))}), from "
+    f"{evaluations} gradient evaluations on the first batch",
+    flush=True,
+  )
+  return settings_lib.with_initial_scale(precision, scale)
+
+
+def worst_leaf(opt_state, metrics) -> Optional[tuple[str, int]]:
+  """``(path, non-finite count)`` of the last skipped step's worst leaf.
+
+  Host side, for log steps: `jaxmp.overflow_report` of the per-leaf report
+  that the train step keeps of its last skipped step; None when no step of
+  the epoch so far had a non-finite gradient.
+  """
+  rows = steps.skip_report(opt_state, metrics)
+  if not rows or not rows[0].nonfinite:
+    return None
+  return rows[0].path, rows[0].nonfinite
 
 
 def train_and_evaluate(
@@ -155,13 +212,20 @@ def train(
     warmup_steps=int(s.warmup_epochs * steps_per_epoch),
     total_steps=max(schedule_steps, total_steps),
   )
-  optimizer = steps.create_optimizer(
+  make_optimizer = lambda precision: steps.create_optimizer(
     precision,
     learning_rate,
     momentum=s.momentum,
     nesterov=s.nesterov,
     weight_decay=s.weight_decay,
     seed=s.seed,
+    diagnostics=s.diagnostics,
+  )
+  optimizer = make_optimizer(precision)
+  faults = faults_lib.Faults(
+    nan_data_at_step=s.inject_nan_data_at_step,
+    overflow_at_step=s.inject_overflow_at_step,
+    overflow_leaf=s.inject_overflow_leaf,
   )
   # Read and checked before anything is written: a mismatch is one line.
   initial = None
@@ -175,6 +239,7 @@ def train(
   state = steps.create_train_state(
     model, optimizer, data.image_shape, seed=s.seed
   )
+  faults_lib.check(faults, state.params)
   manager = ckpt_lib.create_manager(workdir, s.keep_checkpoints)
   state, resumed = ckpt_lib.restore_latest(manager, state)
   if initial is not None and not resumed:
@@ -215,12 +280,29 @@ def train(
   if not s.data_on_device:
     source_args["seed"] = s.seed
   source: batches_lib.BatchSource = source_cls(data, **source_args)
+  loss_fn = steps.make_loss_fn(
+    model,
+    compute_dtype=precision.compute_dtype,
+    label_smoothing=s.label_smoothing,
+  )
+  if precision.calibrate and not resumed:
+    precision = calibrate(precision, loss_fn, state, source)
+    optimizer = make_optimizer(precision)
+    state = state.replace(
+      opt_state=jax.device_put(optimizer.init(state.params), replicated)
+    )
+  elif precision.calibrate:
+    print(
+      "init_loss_scale 'auto': resumed, keeping the checkpoint's loss scale",
+      flush=True,
+    )
   step_fn = source.jit_step(
     steps.make_train_step(
       model,
       optimizer,
       compute_dtype=precision.compute_dtype,
       label_smoothing=s.label_smoothing,
+      faults=faults,
     )
   )
   evaluate_args = dict(batch_size=s.eval_batch_size, mean=s.mean, std=s.std)
@@ -230,6 +312,9 @@ def train(
     num_devices=num_devices,
     total_steps=total_steps,
     progress_bar=s.progress_bar,
+    initial_loss_scale=float(
+      mesh_lib.to_host(jaxmp.stats(state.opt_state)["loss_scale"])
+    ),
   )
   step = first_step
   last_train = {"loss": float("nan"), "accuracy": float("nan")}
@@ -238,7 +323,7 @@ def train(
   while step < total_steps:
     epoch, start_batch = divmod(step, steps_per_epoch)
     epoch_end = min((epoch + 1) * steps_per_epoch, total_steps)
-    metrics = jax.device_put(steps.zero_metrics(), replicated)
+    metrics = jax.device_put(steps.zero_metrics(state.opt_state), replicated)
     epoch_start, epoch_first_step = time.time(), step
     for args in source.epoch(state, epoch, start_batch, epoch_end - step):
       state, metrics = step_fn(state, *args, metrics)
@@ -253,10 +338,6 @@ def train(
         )
       writer.progress(step)
       if step % s.log_every_steps == 0 or step == epoch_end:
-        try:
-          jaxmp.check_health(state.opt_state, step, s.max_consecutive_skips)
-        except jaxmp.LossScaleCollapseError as e:
-          raise TrainingError(str(e)) from None
         writer.log_step(
           step,
           mesh_lib.to_host(
@@ -266,7 +347,23 @@ def train(
               "accuracy": metrics["correct"] / metrics["count"],
             }
           ),
+          worst_leaf=worst_leaf(state.opt_state, metrics)
+          if s.diagnostics
+          else None,
         )
+        try:
+          jaxmp.check_health(
+            state.opt_state,
+            step,
+            s.max_consecutive_skips,
+            max_nonfinite_loss_steps=s.max_nonfinite_loss_steps,
+          )
+        except (jaxmp.LossScaleCollapseError, jaxmp.NonFiniteLossError) as e:
+          # Finish the pending save: orbax's writer thread must not outlive
+          # the run (it fails at interpreter exit with a traceback).
+          ckpt_lib.wait_until_finished(manager)
+          manager.close()
+          raise TrainingError(str(e)) from None
       if ckpt_lib.should_save(
         s.checkpoint_every_steps, step, epoch_end, total_steps
       ):

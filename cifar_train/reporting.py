@@ -47,8 +47,20 @@ class Reporter:
     num_devices: int,
     total_steps: int,
     progress_bar: bool = True,
+    initial_loss_scale: float = float("nan"),
   ):
+    """Opens the workdir's records (a resumed run appends to them).
+
+    Args:
+      workdir: where the files go.
+      num_devices: for the epoch line.
+      total_steps: the progress bar's length.
+      progress_bar: show one (tqdm, on stderr).
+      initial_loss_scale: the scale before the first step, the "before" of
+        a skip line when no log step has been recorded yet.
+    """
     self.workdir = workdir
+    self.initial_loss_scale = initial_loss_scale
     self.num_devices = num_devices
     self.is_main = jax.process_index() == 0
     self.history: list[dict[str, Any]] = []
@@ -91,13 +103,15 @@ class Reporter:
     """Records a log step in steps.jsonl and TensorBoard.
 
     When steps were skipped since the previous log step, also prints one
-    line: how many, the loss scale before and after, and, with diagnostics
-    on, the leaf with the most non-finite gradient elements.
+    line: how many, the loss scale before and after, how many of them had a
+    NaN/inf loss (the scale is not backed off for those), and, with
+    diagnostics on, the leaf with the most non-finite gradient elements.
 
     Args:
       step: the global step.
       stats: `jaxmp.stats` plus ``loss`` (the last step's) and ``accuracy``
-        (the epoch's so far), fetched to the host.
+        (the epoch's so far), fetched to the host; ``nonfinite_loss_steps``
+        is optional.
       worst_leaf: ``(path, non-finite count)`` of the last skipped step's
         worst leaf (`jaxmp.overflow_report`), or None.
     """
@@ -118,12 +132,20 @@ class Reporter:
       "skipped_steps": skipped,
       "skipped_since_last_log": skipped - prev_skipped,
     }
+    bad_loss = 0  # Of the skipped steps, those whose loss was NaN/inf.
+    if "nonfinite_loss_steps" in stats:
+      record["nonfinite_loss_steps"] = int(stats["nonfinite_loss_steps"])
+      bad_loss = record["nonfinite_loss_steps"] - (
+        last.get("nonfinite_loss_steps", 0) if last else 0
+      )
     if record["skipped_since_last_log"] > 0:
-      before = last["loss_scale"] if last else float("nan")
+      before = last["loss_scale"] if last else self.initial_loss_scale
       line = (
         f"Step {step}: skipped {record['skipped_since_last_log']} of steps "
         f"{prev_step + 1}-{step}, loss scale {before:g} -> {scale:g}"
       )
+      if bad_loss > 0:
+        line += f"; {bad_loss} of them with a NaN/inf loss"
       if worst_leaf is not None:
         record["worst_leaf"], record["worst_leaf_nonfinite"] = worst_leaf
         line += f"; worst leaf {worst_leaf[0]}: {worst_leaf[1]} non-finite"

@@ -44,6 +44,9 @@ class Precision:
     hysteresis: back off from the ``hysteresis``-th overflow in a row.
     master_weights: `jaxmp.mixed_precision`'s ``master_weights``: ``True``
       (fp32 masters), ``False``, ``"kahan"`` or ``"stochastic"``.
+    calibrate: the initial scale is "auto": the loop calibrates it on the
+      first batch (`with_initial_scale`); until then ``loss_scale`` starts
+      at the floor.
   """
 
   name: str
@@ -54,6 +57,7 @@ class Precision:
   max_loss_scale: float
   hysteresis: int
   master_weights: Any
+  calibrate: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +69,8 @@ class Settings:
   init_from: str
   precision: Precision
   max_consecutive_skips: int
+  max_nonfinite_loss_steps: int
+  diagnostics: bool
   dataset: str
   data_dir: str
   mean: tuple[float, float, float]
@@ -94,6 +100,9 @@ class Settings:
   keep_checkpoints: int
   progress_bar: bool
   compile_cache_dir: str
+  inject_nan_data_at_step: int
+  inject_overflow_at_step: int
+  inject_overflow_leaf: str
 
 
 def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
@@ -104,9 +113,23 @@ def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
     raise ConfigError(str(e)) from None
   policy = preset.policy
   loss_scale = preset.loss_scale
-  if isinstance(loss_scale, jmp.DynamicLossScale):  # The config's settings.
+  dynamic = isinstance(loss_scale, jmp.DynamicLossScale)
+  calibrate = config.init_loss_scale == "auto"
+  if calibrate and not dynamic:
+    raise ConfigError(
+      f"init_loss_scale 'auto' needs a preset with a dynamic loss scale "
+      f"(O1, O2); policy {config.policy!r} has none"
+    )
+  if dynamic:  # The config's settings.
+    init = config.min_loss_scale if calibrate else config.init_loss_scale
+    try:
+      init = float(init)
+    except (TypeError, ValueError):
+      raise ConfigError(
+        f"init_loss_scale must be a number or 'auto', got {init!r}"
+      ) from None
     loss_scale = jmp.DynamicLossScale(
-      np.float32(config.init_loss_scale),
+      np.float32(init),
       period=int(config.loss_scale_period),
       factor=config.loss_scale_factor,
       min_loss_scale=np.float32(config.min_loss_scale),
@@ -129,6 +152,22 @@ def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
     max_loss_scale=float(config.max_loss_scale),
     hysteresis=int(config.loss_scale_hysteresis),
     master_weights=master_weights,
+    calibrate=calibrate,
+  )
+
+
+def with_initial_scale(precision: Precision, scale: float) -> Precision:
+  """``precision`` whose dynamic loss scale starts at ``scale``."""
+  ls = precision.loss_scale
+  return dataclasses.replace(
+    precision,
+    loss_scale=jmp.DynamicLossScale(
+      np.float32(scale),
+      period=ls.period,
+      factor=ls.factor,
+      min_loss_scale=ls.min_loss_scale,
+    ),
+    calibrate=False,
   )
 
 
@@ -184,12 +223,19 @@ def resolve(config: ml_collections.ConfigDict) -> Settings:
     raise ConfigError(f"init_from {config.init_from!r} is not a file")
   if int(config.num_devices) < 0:
     raise ConfigError(f"num_devices must be >= 0, got {config.num_devices}")
+  if int(config.max_nonfinite_loss_steps) < 1:
+    raise ConfigError(
+      "max_nonfinite_loss_steps must be >= 1, got "
+      f"{config.max_nonfinite_loss_steps}"
+    )
   return Settings(
     model=model,
     num_filters=int(config.num_filters),
     init_from=init_from,
     precision=precision,
     max_consecutive_skips=int(config.max_consecutive_skips),
+    max_nonfinite_loss_steps=int(config.max_nonfinite_loss_steps),
+    diagnostics=bool(config.diagnostics),
     dataset=dataset,
     data_dir=config.data_dir,
     mean=tuple(float(m) for m in config.mean),
@@ -219,4 +265,7 @@ def resolve(config: ml_collections.ConfigDict) -> Settings:
     keep_checkpoints=int(config.keep_checkpoints),
     progress_bar=bool(config.progress_bar),
     compile_cache_dir=_compile_cache_dir(config.compile_cache_dir),
+    inject_nan_data_at_step=int(config.inject_nan_data_at_step),
+    inject_overflow_at_step=int(config.inject_overflow_at_step),
+    inject_overflow_leaf=config.inject_overflow_leaf,
   )

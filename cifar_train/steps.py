@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 import jaxmp
 from jaxmp import models
 from cifar_train import device_data
+from cifar_train import faults as faults_lib
 from cifar_train import mesh
 from cifar_train.errors import ConfigError
 from cifar_train.settings import Precision
@@ -85,12 +86,14 @@ def create_optimizer(
   nesterov: bool = False,
   weight_decay: float = 0.0,
   seed: int = 0,
+  diagnostics: bool = False,
 ) -> optax.GradientTransformation:
   """SGD with momentum and coupled weight decay (torch.optim.SGD), wrapped.
 
   Apex's FusedSGD fused the update into one kernel; here XLA fuses the whole
   optax chain, masters and loss-scale bookkeeping included. ``seed`` keys
-  the rounding of ``master_weights="stochastic"``.
+  the rounding of ``master_weights="stochastic"``; ``diagnostics`` keeps
+  jaxmp's per-leaf gradient report (`jaxmp.overflow_report`).
   """
   inner = optax.chain(
     optax.add_decayed_weights(weight_decay),
@@ -103,6 +106,7 @@ def create_optimizer(
     hysteresis=precision.hysteresis,
     master_weights=precision.master_weights,
     rounding_key=seed,
+    diagnostics=diagnostics,
   )
 
 
@@ -195,14 +199,58 @@ def cross_entropy(
   return optax.softmax_cross_entropy(logits, one_hot)
 
 
-def zero_metrics() -> dict[str, jax.Array]:
-  """The train step's running sums, at zero."""
-  return {
+def zero_metrics(opt_state: Any = None) -> dict[str, Any]:
+  """The train step's running sums, at zero.
+
+  With an ``opt_state`` built with ``diagnostics=True`` also
+  ``skip_diagnostics``: the per-leaf report of the last skipped step (all
+  zero until a step is skipped), so that a log step can name the leaf of a
+  skip between log steps.
+  """
+  metrics = {
     "loss_sum": jnp.zeros([], jnp.float32),
     "correct": jnp.zeros([], jnp.int32),
     "count": jnp.zeros([], jnp.int32),
     "last_loss": jnp.zeros([], jnp.float32),
   }
+  if opt_state is not None:
+    diagnostics = jaxmp.find_state(opt_state).diagnostics
+    if diagnostics is not None:
+      metrics["skip_diagnostics"] = jax.tree.map(jnp.zeros_like, diagnostics)
+  return metrics
+
+
+def skip_report(opt_state: Any, metrics: dict) -> list[Any]:
+  """Host side: `jaxmp.overflow_report` of the last skipped step.
+
+  ``metrics`` are those of a train step from `zero_metrics(opt_state)`.
+  """
+  held = jaxmp.find_state(opt_state)._replace(
+    diagnostics=metrics["skip_diagnostics"]
+  )
+  return jaxmp.overflow_report(held)
+
+
+def make_loss_fn(
+  model: models.ResNet, *, compute_dtype: Any, label_smoothing: float = 0.0
+) -> Callable[..., tuple[jax.Array, tuple[jax.Array, Any]]]:
+  """``loss_fn(params, batch_stats, images, labels) -> (loss, aux)``.
+
+  The unscaled mean cross-entropy of a training forward pass; ``aux`` is
+  ``(logits, new_vars)`` with the updated ``batch_stats``.
+  """
+
+  def loss_fn(params, batch_stats, images, labels):
+    logits, new_vars = model.apply(
+      {"params": params, "batch_stats": batch_stats},
+      images.astype(compute_dtype),
+      train=True,
+      mutable=["batch_stats"],
+    )
+    loss = cross_entropy(logits, labels, label_smoothing).mean()
+    return loss, (logits, new_vars)
+
+  return loss_fn
 
 
 TrainStep = Callable[..., tuple[TrainState, dict[str, jax.Array]]]
@@ -214,70 +262,78 @@ def make_train_step(
   *,
   compute_dtype: Any,
   label_smoothing: float = 0.0,
+  faults: faults_lib.Faults = faults_lib.Faults(),
 ) -> TrainStep:
   """Returns ``train_step(state, images, labels, metrics) -> (state, metrics)``.
 
   ``images`` are normalised float images; ``metrics`` accumulates
   ``loss_sum``, ``correct`` and ``count`` on the device (`zero_metrics`).
+  The unscaled loss goes to the optimizer (``loss=``): a NaN/inf loss skips
+  the step without backing off the loss scale. ``faults`` are test knobs.
   """
+  loss_fn = make_loss_fn(
+    model, compute_dtype=compute_dtype, label_smoothing=label_smoothing
+  )
 
   def train_step(state: TrainState, images, labels, metrics):
-    images = images.astype(compute_dtype)
+    images = faults_lib.corrupt_images(faults, state.step, images)
 
-    def loss_fn(params):
-      logits, new_vars = model.apply(
-        {"params": params, "batch_stats": state.batch_stats},
-        images,
-        train=True,
-        mutable=["batch_stats"],
-      )
-      loss = cross_entropy(logits, labels, label_smoothing).mean()
-      return jaxmp.scale_loss(loss, state.opt_state), (loss, logits, new_vars)
+    def scaled_loss_fn(params):
+      loss, aux = loss_fn(params, state.batch_stats, images, labels)
+      return jaxmp.scale_loss(loss, state.opt_state), (loss, aux)
 
-    grads, (loss, logits, new_vars) = jax.grad(loss_fn, has_aux=True)(
+    grads, (loss, (logits, new_vars)) = jax.grad(scaled_loss_fn, has_aux=True)(
       state.params
     )
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    grads = faults_lib.corrupt_grads(faults, state.step, grads)
+    updates, opt_state = optimizer.update(
+      grads, state.opt_state, state.params, loss=loss
+    )
     params = optax.apply_updates(state.params, updates)
     # The forward pass of a skipped step must not move the running stats.
     batch_stats = jaxmp.rollback_if_skipped(
       opt_state, new_vars["batch_stats"], state.batch_stats
     )
     n = labels.shape[0]
-    metrics = {
+    new_metrics = {
       "loss_sum": metrics["loss_sum"] + loss * n,
       "correct": metrics["correct"] + jnp.sum(jnp.argmax(logits, -1) == labels),
       "count": metrics["count"] + n,
       "last_loss": loss,
     }
+    if "skip_diagnostics" in metrics:  # Static: built with diagnostics=True.
+      mp_state = jaxmp.find_state(opt_state)
+      new_metrics["skip_diagnostics"] = jax.tree.map(
+        lambda new, old: jnp.where(mp_state.grads_finite, old, new),
+        mp_state.diagnostics,
+        metrics["skip_diagnostics"],
+      )
     return state.replace(
       step=state.step + 1,
       params=params,
       batch_stats=batch_stats,
       opt_state=opt_state,
-    ), metrics
+    ), new_metrics
 
   return train_step
 
 
-def make_device_train_step(
-  train_step: TrainStep,
+def make_device_batch(
   *,
   batch_size: int,
   batch_sharding: NamedSharding,
   augment: bool,
   mean: Sequence[float],
   std: Sequence[float],
-) -> TrainStep:
-  """`train_step` over a data set kept on the devices.
+) -> Callable[..., tuple[jax.Array, jax.Array]]:
+  """``batch(state, images_u8, labels, perm, batch_index) -> (x, y)``.
 
-  ``step(state, images_u8, labels, perm, batch_index, metrics)`` slices the
-  epoch permutation, gathers the uint8 batch, crops, flips and normalises it
-  on the device, then runs ``train_step``. Randomness comes from
-  ``(state.rng, step)``, so a resumed run sees the same batches.
+  Slices the epoch permutation, gathers the uint8 batch, crops, flips and
+  normalises it on the device. Randomness comes from ``(state.rng, step)``,
+  so a resumed run sees the same batches.
   """
 
-  def step(state, images_u8, labels, perm, batch_index, metrics):
+  def batch(state, images_u8, labels, perm, batch_index):
     idx = jax.lax.dynamic_slice_in_dim(
       perm, batch_index * batch_size, batch_size
     )
@@ -286,8 +342,22 @@ def make_device_train_step(
     x = images_u8[idx]
     if augment:
       x = device_data.device_augment(x, key)
-    x = device_data.normalize(x, mean, std, jnp.float32)
-    return train_step(state, x, labels[idx], metrics)
+    return device_data.normalize(x, mean, std, jnp.float32), labels[idx]
+
+  return batch
+
+
+def make_device_train_step(train_step: TrainStep, **batch_args) -> TrainStep:
+  """`train_step` over a data set kept on the devices.
+
+  ``step(state, images_u8, labels, perm, batch_index, metrics)`` builds the
+  batch with `make_device_batch` (``batch_args``), then runs ``train_step``.
+  """
+  batch = make_device_batch(**batch_args)
+
+  def step(state, images_u8, labels, perm, batch_index, metrics):
+    x, y = batch(state, images_u8, labels, perm, batch_index)
+    return train_step(state, x, y, metrics)
 
   return step
 

@@ -36,8 +36,12 @@ def get_config() -> ml_collections.ConfigDict:
   # How half-precision params keep their updates: "" (the preset's), "fp32"
   # (fp32 masters), "kahan", "stochastic" (no fp32 copy) or "none".
   config.master_weights = ""
-  # Dynamic loss scaling (used when the preset asks for it).
-  config.init_loss_scale = 2.0**15
+  # Dynamic loss scaling (used when the preset asks for it). The initial
+  # scale is a number, or "auto": calibrated on the first batch with
+  # jaxmp.calibrate_loss_scale (O1/O2 only; a resumed run keeps its scale).
+  config.init_loss_scale = ml_collections.FieldReference(
+    2.0**15, field_type=object
+  )
   config.loss_scale_period = 2000
   config.loss_scale_factor = 2
   config.min_loss_scale = 1.0
@@ -46,6 +50,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Stop with an error when the scale sits at its floor for this many skipped
   # steps in a row.
   config.max_consecutive_skips = 100
+  # Stop with an error after this many steps in a row whose loss itself was
+  # NaN/inf (bad data, divergence). Those steps are skipped without backing
+  # off the loss scale.
+  config.max_nonfinite_loss_steps = 10
+  # Keep jaxmp's per-leaf gradient report: a log step that saw skipped steps
+  # names the leaf with the most non-finite gradient elements.
+  config.diagnostics = False
 
   # Data.
   config.dataset = "cifar10"  # cifar10, cifar100, image_folder, synthetic.
@@ -88,4 +99,10 @@ def get_config() -> ml_collections.ConfigDict:
   # for off. A cache directory set through JAX itself
   # (JAX_COMPILATION_CACHE_DIR) takes precedence.
   config.compile_cache_dir = "auto"
+
+  # Test and demo knobs (README, "When fp16 goes wrong"); 0 = off. Step K is
+  # the one logged as "Step K".
+  config.inject_nan_data_at_step = 0  # NaN images from step K on.
+  config.inject_overflow_at_step = 0  # At step K only, one leaf's gradient
+  config.inject_overflow_leaf = "layer3_1/conv2/kernel"  # becomes all +inf.
   return config

@@ -15,9 +15,9 @@ def _stats(loss, scale, skipped, accuracy=0.5):
   }
 
 
-def _reporter(workdir):
+def _reporter(workdir, **kwargs):
   return reporting.Reporter(
-    str(workdir), num_devices=1, total_steps=10, progress_bar=False
+    str(workdir), num_devices=1, total_steps=10, progress_bar=False, **kwargs
   )
 
 
@@ -46,6 +46,23 @@ def test_a_resumed_run_counts_skips_from_the_last_logged_step(tmp_path, capsys):
   assert capsys.readouterr().out.splitlines() == [
     "Step 4: skipped 1 of steps 3-4, loss scale 8 -> 4"
   ]
+
+
+def test_first_skip_line_starts_from_the_initial_scale_and_counts_nan_losses(
+  tmp_path, capsys
+):
+  writer = _reporter(tmp_path, initial_loss_scale=2.0**15)
+  stats = dict(_stats(float("nan"), 2.0**15, 3), nonfinite_loss_steps=2)
+  writer.log_step(4, stats)
+  writer.log_step(6, dict(stats, skipped_steps=4, nonfinite_loss_steps=3))
+  assert capsys.readouterr().out.splitlines() == [
+    "Step 4: skipped 3 of steps 1-4, loss scale 32768 -> 32768; "
+    "2 of them with a NaN/inf loss",
+    "Step 6: skipped 1 of steps 5-6, loss scale 32768 -> 32768; "
+    "1 of them with a NaN/inf loss",
+  ]
+  with open(tmp_path / "steps.jsonl") as f:
+    assert [json.loads(l)["nonfinite_loss_steps"] for l in f] == [2, 3]
 
 
 def test_plot_has_a_train_point_per_log_step_and_marks_skips(tmp_path):

@@ -35,6 +35,17 @@ def test_every_config_key_becomes_a_setting():
   assert set(config.keys()) - precision_keys == fields - {"precision"}
 
 
+def test_auto_loss_scale_is_calibrated_later():
+  config = default.get_config()
+  config.init_loss_scale = "auto"
+  p = settings.resolve(config).precision
+  assert p.calibrate
+  q = settings.with_initial_scale(p, 2.0**9)
+  assert not q.calibrate and float(q.loss_scale.loss_scale) == 2.0**9
+  assert q.loss_scale.period == p.loss_scale.period == 2000
+  assert float(q.loss_scale.min_loss_scale) == 1.0
+
+
 def test_seed_config_is_the_apex_script():
   c = seed.get_config()
   assert (
@@ -96,6 +107,12 @@ def test_precision_record(policy, param, compute, norm, scale_type, masters):
       "'/nonexistent/x' does not exist",
     ),
     ({"mean": (0.5, 0.5)}, "mean and std must have 3 values"),
+    (
+      {"policy": "bf16", "init_loss_scale": "auto"},
+      "init_loss_scale 'auto' needs a preset with a dynamic loss scale",
+    ),
+    ({"init_loss_scale": "big"}, "must be a number or 'auto', got 'big'"),
+    ({"max_nonfinite_loss_steps": 0}, "max_nonfinite_loss_steps must be >= 1"),
   ],
 )
 def test_bad_values_name_the_key(override, match):

@@ -63,7 +63,11 @@ def test_one_train_step_per_policy(policy, make_config, data_dir):
   bad, _ = step(
     new, images.at[0, 0, 0, 0].set(jnp.nan), labels, steps.zero_metrics()
   )
-  assert not bool(jaxmp.stats(bad.opt_state)["grads_finite"])
+  before, after = jaxmp.stats(new.opt_state), jaxmp.stats(bad.opt_state)
+  assert not bool(after["grads_finite"])
+  # The loss goes to the optimizer: a NaN loss keeps the scale where it was.
+  assert int(after["nonfinite_loss_steps"]) == 1
+  assert float(after["loss_scale"]) == float(before["loss_scale"])
   for a, b in zip(
     jax.tree.leaves((new.params, new.batch_stats)),
     jax.tree.leaves((bad.params, bad.batch_stats)),
