@@ -331,7 +331,7 @@ def _kuangliu(name):
 
 
 # Tolerances, as fractions of the largest |value|: fp32 through 20 layers is
-# ~1e-6 of the logit scale (the issue allows 1e-4); fp64 is ~1e-15.
+# ~2.5e-6 of the logit scale (the issue allows 1e-4); fp64 is ~5e-15.
 TOL = {"float32": 1e-4, "float64": 1e-10}
 # Running statistics after one step, relative (fp64: ~1e-16).
 STATS_TOL = {"float32": 1e-5, "float64": 1e-12}
@@ -415,8 +415,10 @@ def test_parity_with_kuangliu_named_cifar_resnet18(dtype):
 
 # Gradients of a train-mode loss, per tensor as fractions of its largest
 # |gradient|. fp32: rounding of the forward and backward passes, amplified by
-# train-mode BatchNorm over small batches (~1e-6 measured); fp64: ~1e-14.
-GRAD_TOL = {"float32": 1e-3, "float64": 1e-10}
+# train-mode BatchNorm over small batches (up to 7.5e-6 measured); fp64:
+# 1.8e-14 measured. (Before fp64 accumulation in jaxmp.nn's conv kernel
+# gradients, fp64 gave 2e-7.)
+GRAD_TOL = {"float32": 3e-4, "float64": 1e-10}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
