@@ -111,7 +111,7 @@ def conv_by_im2col(
 
   The ``kh * kw`` strided windows of the padded input are laid side by side
   into ``[n * ho * wo, kh * kw * c]`` and multiplied by the kernel reshaped to
-  ``[kh * kw * c, o]``, accumulating in fp32. Its gradients are JAX's own:
+  ``[kh * kw * c, o]``, accumulating in fp32 (fp64 for fp64 operands). Its gradients are JAX's own:
   matrix products, and pads for the windows' transposes. On maps of a few
   pixels XLA:CPU's convolution is 10-40x slower than this product (2x2 and
   1x1 maps of 256-512 channels, the last stages of the torchvision ResNet18
@@ -148,9 +148,16 @@ def conv_by_im2col(
     cols,
     rhs.reshape(kh * kw * c, o),
     precision=precision,
-    preferred_element_type=jnp.float32,
+    preferred_element_type=_accumulation_dtype(lhs, rhs),
   )
   return y.reshape(n, ho, wo, o).astype(lhs.dtype)
+
+
+def _accumulation_dtype(*arrays: jax.Array) -> jnp.dtype:
+  """At least fp32: fp32 for half-precision operands, fp64 for fp64 ones."""
+  return functools.reduce(
+    jnp.promote_types, (a.dtype for a in arrays), jnp.float32
+  )
 
 
 def _is_nhwc(lhs, rhs, dimension_numbers) -> bool:
@@ -218,7 +225,8 @@ def kernel_grad_by_taps(
     precision: passed to the matrix products.
 
   Returns:
-    ``[kh, kw, c, o]`` in fp32 (products accumulated in fp32).
+    ``[kh, kw, c, o]`` in fp32 (products accumulated in fp32), or in fp64
+    for fp64 operands.
   """
   kh, kw, c, o = kernel_shape
   n, ho, wo, _ = dy.shape
@@ -244,7 +252,7 @@ def kernel_grad_by_taps(
         window,
         dy,
         precision=precision,
-        preferred_element_type=jnp.float32,
+        preferred_element_type=_accumulation_dtype(lhs, dy),
       )
       taps.append(tap.sum(0))
   return jnp.stack(taps).reshape(kh, kw, c, o)

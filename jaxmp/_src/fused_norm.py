@@ -426,8 +426,10 @@ class FusedBatchNorm(nn.Module):
       if self.unbiased_running_var:
         var = var * unbiased_factor(x, axis_name)
       m = self.momentum
-      ra_mean.value = m * ra_mean.value + (1 - m) * mean.astype(jnp.float32)
-      ra_var.value = m * ra_var.value + (1 - m) * var.astype(jnp.float32)
+      # As nn.BatchNorm: float32 statistics stay float32 (``mean`` is at
+      # least float32), a float64 batch (x64) updates them in float64.
+      ra_mean.value = m * ra_mean.value + (1 - m) * mean
+      ra_var.value = m * ra_var.value + (1 - m) * var
     return y
 
 
@@ -439,12 +441,13 @@ def unbiased_factor(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
     axis_name: Optional mapped axis whose size multiplies ``n``.
 
   Returns:
-    The float32 factor that turns the biased variance into the unbiased one.
+    The factor that turns the biased variance into the unbiased one, in
+    float32 (float64 for a float64 ``x``).
 
   >>> float(unbiased_factor(jnp.zeros((2, 3)), None))
   2.0
   """
-  n = jnp.float32(x.size // x.shape[-1])
+  n = jnp.asarray(x.size // x.shape[-1], _stat_dtype(x.dtype))
   if axis_name is not None:
     n = n * jax.lax.psum(1, axis_name)
   return n / jnp.maximum(n - 1, 1)

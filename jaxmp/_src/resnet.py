@@ -106,7 +106,7 @@ def _norm_act(
   if unbiased_running_var and train and not bn.is_initializing():
     # nn.BatchNorm stored m * old + (1 - m) * var; add (1 - m) * var / (n-1)
     # to get m * old + (1 - m) * var * n / (n - 1) (torch's update).
-    xf = x.astype(jnp.float32)
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     axes = tuple(range(x.ndim - 1))
     mean = jnp.mean(xf, axes)
     mean_sq = jnp.mean(jnp.square(xf), axes)
@@ -270,7 +270,7 @@ class ResNet(nn.Module):
       name="fc",
       **dense_kwargs,
     )(x)
-    return jnp.asarray(x, jnp.float32)
+    return jnp.asarray(x, jnp.promote_types(x.dtype, jnp.float32))
 
 
 resnet18 = functools.partial(ResNet, stage_sizes=(2, 2, 2, 2), stem="cifar")
