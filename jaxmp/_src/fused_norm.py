@@ -296,7 +296,8 @@ class FusedBatchNorm(nn.Module):
   the lean backward pass of :func:`fused_batch_norm`. Variables, their
   shapes and dtypes, the running-average update and the output dtype are
   those of ``flax.linen.BatchNorm``: params ``scale`` and ``bias`` in
-  ``param_dtype``; ``batch_stats`` ``mean`` and ``var`` in float32, updated
+  ``param_dtype``; ``batch_stats`` ``mean`` and ``var`` in float32 (an update
+  from a float64 input under x64 makes them float64), updated
   as ``momentum * old + (1 - momentum) * new`` (not during ``init``); output
   in ``dtype``, by default the promoted dtype of the input and the used
   parameters (float16 input with float32 parameters gives float32).

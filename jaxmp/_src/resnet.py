@@ -10,7 +10,8 @@ One module, :class:`ResNet`, with ResNet18 as partials:
 
 Precision follows Apex: ``param_dtype`` for conv/dense weights, ``dtype`` for
 the computation, ``norm_dtype`` for BatchNorm parameters and statistics
-(float32 keeps BatchNorm in float32 as Apex O2 does). Logits are float32.
+(float32 keeps BatchNorm in float32 as Apex O2 does). Logits are float32
+(float64 for a float64 model).
 With ``fused_norm=True`` (default) each BatchNorm(+add)(+ReLU) is a
 ``jaxmp.nn.BatchNorm``, which saves only the
 half-precision input for the backward pass; ``fused_norm=False`` uses plain
@@ -154,7 +155,7 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-  """ResNet with BasicBlocks (ResNet18/34), NHWC input, float32 logits.
+  """ResNet with BasicBlocks (ResNet18/34), NHWC input, float32+ logits.
 
   Attributes:
     stage_sizes: Blocks per stage, e.g. ``(2, 2, 2, 2)`` for ResNet18.
@@ -207,7 +208,7 @@ class ResNet(nn.Module):
         mutable), or use the running averages.
 
     Returns:
-      ``[N, num_classes]`` float32 logits.
+      ``[N, num_classes]`` logits, float32 (float64 for a float64 model).
     """
     if self.init_scheme not in ("flax", "torchvision"):
       raise ValueError(
