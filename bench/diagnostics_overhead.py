@@ -49,33 +49,6 @@ BATCH = int(os.environ.get("BENCH_BATCH", "16"))
 REPS = int(os.environ.get("BENCH_REPS", "40"))
 
 
-def make_step(model, optimizer):
-  """``step(state, images, labels) -> (state, loss)``, not yet jitted."""
-
-  def step(state, images, labels):
-    def loss_fn(params):
-      logits, new_vars = model.apply(
-        {"params": params, "batch_stats": state["batch_stats"]},
-        images,
-        train=True,
-        mutable=["batch_stats"],
-      )
-      loss = optax.softmax_cross_entropy_with_integer_labels(
-        logits, labels
-      ).mean()
-      return jaxmp.scale_loss(loss, state["opt"]), (loss, new_vars)
-
-    grads, (loss, new_vars) = jax.grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt = optimizer.update(grads, state["opt"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    stats = jaxmp.rollback_if_skipped(
-      opt, new_vars["batch_stats"], state["batch_stats"]
-    )
-    return {"params": params, "batch_stats": stats, "opt": opt}, loss
-
-  return step
-
-
 def main():
   model = resnet18(
     num_classes=10,
@@ -107,18 +80,15 @@ def main():
       "opt": opt.init(params),
     }
 
+  make_step = lambda name: step_overhead.make_step(model, opts[name], True)
   hlo = {
-    name: jax.jit(make_step(model, opts[name]))
+    name: make_step(name)
     .lower(fresh_state(opts[name]), images, labels)
     .as_text()
     for name in ("baseline", "off")
   }
   cases = {
-    name: [
-      jax.jit(make_step(model, opts[name]), donate_argnums=(0,)),
-      fresh_state(opts[name]),
-    ]
-    for name in ("off", "on")
+    name: [make_step(name), fresh_state(opts[name])] for name in ("off", "on")
   }
 
   times = step_overhead.time_interleaved(cases, images, labels, REPS)
