@@ -88,7 +88,10 @@ def main(argv):
     raise app.UsageError("--workdir=DIR is required")
   # Imported here so that flag errors come back in well under a second.
   from cifar_train import cli  # pylint: disable=g-import-not-at-top
+  from cifar_train import startup  # pylint: disable=g-import-not-at-top
 
+  # Before JAX starts its CPU thread pools.
+  startup.keep_freed_host_memory()
   return cli.run(FLAGS.config, FLAGS.workdir)
 
 

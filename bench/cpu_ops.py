@@ -27,7 +27,6 @@ import statistics
 import sys
 import time
 
-import flax.linen as nn
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -35,11 +34,20 @@ import numpy as np
 import optax
 import torch
 
+import jaxmp
 from jaxmp import nn as jaxmp_nn
 
 REPS = int(os.environ.get("BENCH_REPS", "5"))
 BATCH = int(os.environ.get("BENCH_BATCH", "128"))
 MODELS = os.environ.get("BENCH_MODELS", "cifar,torchvision").split(",")
+# As the app jits: with jaxmp.cpu_compiler_options() (BENCH_COMPILER_OPTIONS=0
+# for XLA:CPU's defaults).
+OPTIONS = (
+  jaxmp.cpu_compiler_options()
+  if os.environ.get("BENCH_COMPILER_OPTIONS", "1") == "1"
+  else {}
+)
+_jit = functools.partial(jax.jit, compiler_options=OPTIONS or None)
 _DN = ("NHWC", "HWIO", "NHWC")
 
 # (model, name, input size, in channels, out channels, kernel, stride, pad)
@@ -133,9 +141,9 @@ def conv_pairs(size, cin, cout, k, stride, pad) -> dict:
       x, w, (stride, stride), padding, dimension_numbers=_DN
     )
 
-  fwd = jax.jit(conv)
-  dx = jax.jit(lambda x, w, dy: jax.vjp(lambda x: conv(x, w), x)[1](dy)[0])
-  dw = jax.jit(lambda x, w, dy: jax.vjp(lambda w: conv(x, w), w)[1](dy)[0])
+  fwd = _jit(conv)
+  dx = _jit(lambda x, w, dy: jax.vjp(lambda x: conv(x, w), x)[1](dy)[0])
+  dw = _jit(lambda x, w, dy: jax.vjp(lambda w: conv(x, w), w)[1](dy)[0])
   # The rewrite is exact against lax (tests/test_conv.py); check the shapes.
   want = lax.conv_general_dilated(
     jx, jw, (stride, stride), padding, dimension_numbers=_DN
@@ -170,9 +178,11 @@ def maxpool_pairs() -> dict:
   x = np.random.default_rng(0).standard_normal((BATCH, 16, 16, 64), np.float32)
   dy = np.random.default_rng(1).standard_normal((BATCH, 8, 8, 64), np.float32)
   jx, jdy = jnp.asarray(x), jnp.asarray(dy)
-  pool = lambda x: nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1),) * 2)
-  fwd = jax.jit(pool)
-  bwd = jax.jit(lambda x, dy: jax.vjp(pool, x)[1](dy)[0])
+  pool = lambda x: jaxmp_nn.max_pool(
+    x, (3, 3), strides=(2, 2), padding=((1, 1),) * 2
+  )
+  fwd = _jit(pool)
+  bwd = _jit(lambda x, dy: jax.vjp(pool, x)[1](dy)[0])
   tx = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()).requires_grad_()
   tdy = torch.from_numpy(dy.transpose(0, 3, 1, 2).copy())
   tpool = torch.nn.MaxPool2d(3, 2, 1)
@@ -212,8 +222,8 @@ def bn_pairs(size: int, channels: int) -> dict:
     )
     return y
 
-  fwd = jax.jit(f)
-  grad = jax.jit(jax.grad(lambda p, x: jnp.sum(f(p, x) ** 2), argnums=(0, 1)))
+  fwd = _jit(f)
+  grad = _jit(jax.grad(lambda p, x: jnp.sum(f(p, x) ** 2), argnums=(0, 1)))
   tbn = torch.nn.BatchNorm2d(channels).train()
   tx = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()).requires_grad_()
 
@@ -243,7 +253,7 @@ def update_pairs() -> dict:
   g = rng.standard_normal(n, np.float32) * 1e-3
   opt = optax.sgd(0.1, momentum=0.9)
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  @functools.partial(_jit, donate_argnums=(0, 1))
   def step(p, s, g):
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s
@@ -271,7 +281,8 @@ def main():
     pass
   print(
     f"jax {jax.__version__}, torch {torch.__version__}, {os.cpu_count()} "
-    f"cpus, {cpu}; batch {BATCH}, fp32, {REPS} interleaved reps, median"
+    f"cpus, {cpu}; batch {BATCH}, fp32, {REPS} interleaved reps, median; "
+    f"compiler_options={OPTIONS}"
   )
   print(
     f"{'model':<12}{'op':<36}{'x/step':>7}{'jax ms':>9}{'torch ms':>10}"

@@ -72,7 +72,9 @@ _ONEDNN_CONV = (
 # name -> (XLA_FLAGS, worker options).
 SWEEP = (
   ("default", "", {}),
-  ("XLA's conv kernel gradients", "", {"tap_kernel_grads": False}),
+  ("no jaxmp.cpu_compiler_options", "", {"compiler_options": {}}),
+  ("cpu_convs=False (flax's convs)", "", {"cpu_convs": False}),
+  ("glibc malloc defaults (both)", "", {"glibc_malloc_defaults": True}),
   ("forward only (eval, no grad)", "", {"unit": "forward"}),
   ("fused_norm=False", "", {"fused_norm": False}),
   ("precision highest", "", {"precision": "highest"}),
@@ -102,6 +104,7 @@ def worker(opts: dict) -> dict:
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import _torch_resnet  # pylint: disable=g-import-not-at-top
   import step_overhead  # pylint: disable=g-import-not-at-top
+  import jaxmp  # pylint: disable=g-import-not-at-top
   from jaxmp import models  # pylint: disable=g-import-not-at-top
 
   filters, batch, reps = opts["filters"], opts["batch"], opts["reps"]
@@ -117,7 +120,7 @@ def worker(opts: dict) -> dict:
     num_classes=10,
     num_filters=filters,
     fused_norm=opts.get("fused_norm", True),
-    tap_kernel_grads=opts.get("tap_kernel_grads", True),
+    cpu_convs=opts.get("cpu_convs", True),
   )
   images, labels = jnp.asarray(x), jnp.asarray(y, jnp.int32)
   variables = jax.jit(lambda k: model.init(k, images[:1], train=False))(
@@ -128,10 +131,18 @@ def worker(opts: dict) -> dict:
   precision = opts.get("precision")
   with jax.default_matmul_precision(precision) if precision else _null():
     if unit == "forward":
-      fwd = jax.jit(lambda v, im: model.apply(v, im, train=False))
+      options = opts.get("compiler_options")
+      if options is None:
+        options = jaxmp.cpu_compiler_options()
+      fwd = jax.jit(
+        lambda v, im: model.apply(v, im, train=False),
+        compiler_options=options or None,
+      )
       jax_fn = lambda: jax.block_until_ready(fwd(variables, images))
     else:
-      jstep = step_overhead.make_step(model, opt, scaled=False)
+      jstep = step_overhead.make_step(
+        model, opt, scaled=False, compiler_options=opts.get("compiler_options")
+      )
       holder = {
         "s": {
           "params": variables["params"],
@@ -200,9 +211,20 @@ class _null:  # pylint: disable=invalid-name
     return False
 
 
+# What train.py sets through mallopt (cifar_train/startup.py), here for both
+# JAX and torch: freed memory stays in the one heap for the next step.
+REUSE_FREED_MEMORY = {
+  "MALLOC_ARENA_MAX": "1",
+  "MALLOC_MMAP_MAX_": "0",
+  "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
+}
+
+
 def run_row(flags: str, opts: dict) -> dict:
   """Runs `worker` in a fresh process with ``XLA_FLAGS=flags``."""
   env = dict(os.environ)
+  if not opts.get("glibc_malloc_defaults"):
+    env.update(REUSE_FREED_MEMORY)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
   env["TF_CPP_MIN_LOG_LEVEL"] = "2"
   try:
@@ -269,7 +291,13 @@ def main():
       for n, f, e in SWEEP
       if "error" not in results[n]
       and not any(
-        k in e for k in ("unit", "torch_threads", "torch_channels_last")
+        k in e
+        for k in (
+          "unit",
+          "torch_threads",
+          "torch_channels_last",
+          "glibc_malloc_defaults",
+        )
       )
     ]
     best = min(candidates, key=lambda c: results[c[0]]["ratio"])
@@ -282,9 +310,15 @@ def main():
   rows = [("torchvision: default", "", {"model": "torchvision"})]
   rows.append(("cifar: default", "", {}))
   if sweep and not quick:
-    rows.append(
-      ("cifar: XLA's conv kernel grads", "", {"tap_kernel_grads": False})
-    )
+    rows += [
+      (
+        "torchvision: no cpu_compiler_options",
+        "",
+        {"model": "torchvision", "compiler_options": {}},
+      ),
+      ("cifar: no cpu_compiler_options", "", {"compiler_options": {}}),
+      ("cifar: glibc malloc defaults", "", {"glibc_malloc_defaults": True}),
+    ]
     if best[0] != "default":
       rows.append(("cifar: " + best[0], best[1], best[2]))
   defaults = {}

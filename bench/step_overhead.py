@@ -54,7 +54,7 @@ BATCH = int(os.environ.get("BENCH_BATCH", "128" if FULL else "32"))
 REPS = int(os.environ.get("BENCH_REPS", "10" if FULL else "30"))
 
 
-def make_step(model, optimizer, scaled: bool):
+def make_step(model, optimizer, scaled: bool, compiler_options=None):
   """A jitted ``step(state, images, labels) -> (state, loss)``.
 
   Args:
@@ -62,6 +62,8 @@ def make_step(model, optimizer, scaled: bool):
     optimizer: the optax optimizer whose state is in ``state["opt"]``.
     scaled: scale the loss and roll back BatchNorm statistics through jaxmp
       (``optimizer`` must then be a `jaxmp.mixed_precision`).
+    compiler_options: for ``jax.jit``; ``None`` for
+      ``jaxmp.cpu_compiler_options()``, what the app uses.
 
   Returns:
     The jitted step, with the state donated.
@@ -88,7 +90,11 @@ def make_step(model, optimizer, scaled: bool):
       stats = jaxmp.rollback_if_skipped(opt, stats, state["batch_stats"])
     return {"params": params, "batch_stats": stats, "opt": opt}, loss
 
-  return jax.jit(step, donate_argnums=(0,))
+  if compiler_options is None:
+    compiler_options = jaxmp.cpu_compiler_options()
+  return jax.jit(
+    step, donate_argnums=(0,), compiler_options=compiler_options or None
+  )
 
 
 def time_interleaved(cases: dict, images, labels, reps: int) -> dict:

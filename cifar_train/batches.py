@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+import jaxmp
 from cifar_train import device_data
 from cifar_train import host_stream
 from cifar_train import mesh
@@ -73,6 +74,7 @@ class HostStream:
       in_shardings=(r, b, b, r),
       out_shardings=(r, r),
       donate_argnums=(0, 3),
+      compiler_options=jaxmp.cpu_compiler_options() or None,
     )
 
   def epoch(self, state, epoch, start_batch, num_batches):
@@ -140,6 +142,7 @@ class DeviceResident:
       in_shardings=(r, r, r, r, None, r),
       out_shardings=(r, r),
       donate_argnums=(0, 5),
+      compiler_options=jaxmp.cpu_compiler_options() or None,
     )
 
   def epoch(self, state, epoch, start_batch, num_batches):

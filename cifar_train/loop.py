@@ -265,6 +265,7 @@ def train(
     steps.make_eval_step(model, compute_dtype=precision.compute_dtype),
     in_shardings=(replicated, batch_sharding, batch_sharding, batch_sharding),
     out_shardings=replicated,
+    compiler_options=jaxmp.cpu_compiler_options() or None,
   )
   source_cls = (
     batches_lib.DeviceResident if s.data_on_device else batches_lib.HostStream

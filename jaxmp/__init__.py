@@ -17,6 +17,7 @@ from jaxmp._src.accessors import rollback_if_skipped
 from jaxmp._src.accessors import scale_loss
 from jaxmp._src.accessors import stats
 from jaxmp._src.calibrate import calibrate_loss_scale
+from jaxmp._src.compiler import cpu_compiler_options
 from jaxmp._src.initialize import initialize
 from jaxmp._src.mixed_precision import adjust_loss_scale
 from jaxmp._src.mixed_precision import all_finite
@@ -37,6 +38,7 @@ __all__ = (
   "all_finite",
   "calibrate_loss_scale",
   "check_health",
+  "cpu_compiler_options",
   "find_state",
   "get_policy",
   "get_preset",

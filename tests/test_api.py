@@ -27,6 +27,7 @@ PUBLIC = {
     "all_finite",
     "calibrate_loss_scale",
     "check_health",
+    "cpu_compiler_options",
     "find_state",
     "get_policy",
     "get_preset",
@@ -48,7 +49,7 @@ PUBLIC = {
     "stats",
     "stochastic_round",
   ),
-  "jaxmp.nn": ("BatchNorm", "conv_general_dilated"),
+  "jaxmp.nn": ("BatchNorm", "conv_general_dilated", "max_pool"),
   "jaxmp.models": (
     "from_torchvision",
     "get_model",

@@ -1,4 +1,4 @@
-"""Tests for jaxmp.nn.conv_general_dilated (per-tap CPU kernel gradients)."""
+"""Tests for jaxmp.nn.conv_general_dilated (per-shape CPU lowerings)."""
 
 import functools
 
@@ -95,14 +95,19 @@ class TapKernelGradTest(parameterized.TestCase):
     np.testing.assert_array_equal(got, want)
 
 
-def _conv_hlo(size: int, platform: str) -> str:
+def _conv_hlo(size: int, platform: str, kernel: int = 3) -> str:
   """StableHLO of the conv's value and gradients, exported for a platform."""
   x = jax.ShapeDtypeStruct((2, size, size, 8), f32)
-  w = jax.ShapeDtypeStruct((3, 3, 8, 8), f32)
+  w = jax.ShapeDtypeStruct((kernel, kernel, 8, 8), f32)
+  pad = kernel // 2
 
   def f(x, w):
     fn = lambda x, w: conv.conv_general_dilated(
-      x, w, (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")
+      x,
+      w,
+      (1, 1),
+      ((pad, pad), (pad, pad)),
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
     )
     y, vjp = jax.vjp(fn, x, w)
     return y, *vjp(y)
@@ -113,9 +118,12 @@ def _conv_hlo(size: int, platform: str) -> str:
 
 def test_cpu_rewrites_stay_off_other_platforms():
   # CPU: a 2x2 map is one im2col product, no convolution at all; a larger
-  # map keeps XLA's forward and input gradient but not its kernel gradient.
+  # map keeps XLA's three convolutions for a 3x3 kernel, and for a 1x1
+  # kernel its forward and input gradient, the kernel gradient a product.
   assert "convolution" not in _conv_hlo(2, "cpu")
-  assert _conv_hlo(8, "cpu").count("stablehlo.convolution") == 2
+  assert _conv_hlo(8, "cpu").count("stablehlo.convolution") == 3
+  assert _conv_hlo(8, "cpu", kernel=1).count("stablehlo.convolution") == 2
   # GPU: lax's convolutions only (forward, input and kernel gradient).
-  for size in (2, 8):
-    assert _conv_hlo(size, "cuda").count("stablehlo.convolution") == 3
+  for size, kernel in ((2, 3), (8, 3), (8, 1)):
+    hlo = _conv_hlo(size, "cuda", kernel)
+    assert hlo.count("stablehlo.convolution") == 3

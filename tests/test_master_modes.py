@@ -109,11 +109,27 @@ def test_none_stalls_while_kahan_and_stochastic_follow_fp32():
     np.testing.assert_array_equal(got[m][0]["b"], got["fp32"][0]["b"])
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_stochastic_round_is_unbiased(dtype):
+@pytest.mark.parametrize(
+  "dtype, scale",
+  [
+    (jnp.bfloat16, 1.0),
+    (jnp.float16, 1.0),
+    # float16's subnormals: |x| < 2**-14, spacing 2**-24 (normal in float32,
+    # so no flush-to-zero on the way).
+    (jnp.float16, 2.0**-14),
+  ],
+  ids=["bfloat16", "float16", "float16_subnormal"],
+)
+def test_stochastic_round_is_unbiased(dtype, scale):
   draws = 4000
   x = np.random.default_rng(1).uniform(-3, 3, 64).astype(np.float32)
-  x[:4] = [0.0, 1.0, -0.5, 2.0**-20]  # Exact, exact, exact, tiny.
+  if scale == 1.0:
+    x[:4] = [0.0, 1.0, -0.5, 2.0**-20]  # Exact, exact, exact, tiny.
+  else:
+    x = (x / 3 * scale).astype(np.float32)
+    # Exact subnormals, and one below the smallest: between 0 and 2**-24.
+    x[:4] = [2.0**-24, -5 * 2.0**-24, 2.0**-26, -(2.0**-14) + 2.0**-24]
+    assert np.all(np.abs(x) < 2.0**-14)
   y = jax.vmap(lambda k: jaxmp.stochastic_round(x, dtype, k))(
     jax.random.split(jax.random.key(3), draws)
   )

@@ -94,3 +94,61 @@ def test_process_start_time_is_when_the_interpreter_started():
   start, after_start = map(float, _python(code).split())
   # The interpreter starts (clock ticks of 10 ms) before its first line runs.
   assert after_start - 5.0 < start <= after_start + 0.02
+
+
+_WORKER_BLOCKS = """
+  import threading
+  import numpy as np
+  from cifar_train import startup
+  print(startup.keep_freed_host_memory() if {tune} else "untuned")
+
+  def in_heap(address):
+    with open("/proc/self/maps") as f:
+      for line in f:
+        if line.rstrip().endswith("[heap]"):
+          lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+          return lo <= address < hi
+    return False
+
+  def work(out):
+    # Like Eigen's scratch: a large block, malloc'd and freed by a worker
+    # thread, twice.
+    for _ in range(2):
+      block = np.ones(40_000_000 // 8)  # 40 MB: above glibc's mmap ceiling.
+      out.append((block.ctypes.data, in_heap(block.ctypes.data)))
+      del block
+
+  blocks = []
+  thread = threading.Thread(target=work, args=(blocks,))
+  thread.start()
+  thread.join()
+  (first, first_in_heap), (second, second_in_heap) = blocks
+  print(first_in_heap, second_in_heap, first == second)
+"""
+
+
+def test_keep_freed_host_memory_reuses_a_worker_threads_freed_block():
+  # glibc's default: a 40 MB block from a worker thread is its own mmap,
+  # unmapped on free, so each step's scratch is paged in afresh.
+  untuned, placed = _python(_WORKER_BLOCKS.format(tune=False)).splitlines()
+  assert untuned == "untuned" and placed.split()[:2] == ["False", "False"]
+  # Tuned: one arena, no mmap, no trim: the block comes from the heap and
+  # the second allocation gets the same, already paged-in, memory.
+  tuned, placed = _python(_WORKER_BLOCKS.format(tune=True)).splitlines()
+  assert tuned == "True" and placed.split() == ["True", "True", "True"]
+
+
+def test_keep_freed_host_memory_leaves_accelerator_hosts_alone():
+  code = (
+    "from cifar_train import startup; print(startup.keep_freed_host_memory())"
+  )
+  environ = dict(os.environ, JAX_PLATFORMS="cuda,cpu")
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=ROOT,
+    env=environ,
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  assert out.stdout.strip() == "False"

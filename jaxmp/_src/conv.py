@@ -1,24 +1,28 @@
-"""A convolution whose kernel gradient XLA:CPU computes as matrix products.
+"""Convolutions for CPU, chosen per shape, exact against lax.
 
-XLA:CPU lowers the kernel gradient of a convolution to a generic spatial
-convolution whose "kernel" is the whole output feature map; at the CIFAR
-ResNet18's first stage (batch 128, 32x32, 64 channels) that takes ~4 s
-where PyTorch's oneDNN takes ~0.2 s (``bench/conv_grads.py``). The same
-gradient is a sum over kernel taps of one matrix product each::
+Measured per convolution of both ResNet18s at batch 128 on 2 cores of an AMD
+EPYC with AVX-512, under `jaxmp.cpu_compiler_options` (``bench/cpu_ops.py``;
+the table is in its docstring):
 
-    dw[i, j] = sum over (n, y, x) of
-               x_padded[n, s*y + i, s*x + j, :]^T  dy[n, y, x, :]
+* **3x3 and larger kernels, more than 4 output pixels**: XLA's own
+  convolution for the forward and both gradients. With XLA's convolutions
+  (not YNNPACK's, see ``jaxmp/_src/compiler.py``) its kernel gradient is
+  1.2-2x faster than one matrix product per kernel tap (stage 1 of the CIFAR
+  ResNet18: 115-150 ms against 250-320 ms).
+* **1x1 kernels** (the strided projections): XLA's forward and input
+  gradient, and the kernel gradient as one matrix product of the strided
+  input and the output gradient (`kernel_grad_by_taps` with its single tap),
+  2-4x faster than XLA's, which is a spatial convolution whose window is the
+  whole feature map.
+* **At most 4 output pixels** (the last stages of the torchvision ResNet18
+  on 32x32 images): XLA:CPU's convolutions are 10-40x slower than a matrix
+  product there, so the whole convolution, forward and gradients, is one
+  im2col product (`conv_by_im2col`).
 
-which XLA:CPU runs at the speed of its matrix multiply (0.2-0.4 s there).
-On maps of at most 4 output pixels (the last stages of the torchvision
-ResNet18 on 32x32 images) XLA:CPU's convolutions themselves are 10-40x
-slower than a matrix product: there the whole convolution, forward and
-gradients, is one im2col product (`conv_by_im2col`).
 `conv_general_dilated` is ``lax.conv_general_dilated`` (pass it to
-``flax.linen.Conv(conv_general_dilated=...)``) with that kernel gradient on
-CPU; on other platforms, and for convolutions it does not cover (dilation,
-feature groups, layouts other than NHWC/HWIO), it is ``lax``'s, gradient
-included.
+``flax.linen.Conv(conv_general_dilated=...)``) with those choices on CPU; on
+other platforms, and for convolutions it does not cover (dilation, feature
+groups, layouts other than NHWC/HWIO), it is ``lax``'s, gradients included.
 """
 
 import functools
@@ -51,7 +55,7 @@ def conv_general_dilated(
   precision=None,
   preferred_element_type=None,
 ):
-  """``lax.conv_general_dilated`` with a matmul kernel gradient on CPU."""
+  """``lax.conv_general_dilated`` with per-shape CPU lowerings (module doc)."""
   covered = (
     lhs.ndim == 4
     and _is_nhwc(lhs, rhs, dimension_numbers)
@@ -87,7 +91,9 @@ def conv_general_dilated(
       ),
       default=lambda x, w: _lax_conv(x, w, strides, padding, precision),
     )
-  return _conv(lhs, rhs, strides, padding, precision)
+  if rhs.shape[0] * rhs.shape[1] == 1:
+    return _conv(lhs, rhs, strides, padding, precision)
+  return _lax_conv(lhs, rhs, strides, padding, precision)
 
 
 def _output_pixels(lhs_shape, rhs_shape, strides, padding) -> int:

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 from jaxmp._src import conv as conv_lib
 from jaxmp._src import fused_norm
+from jaxmp._src import pool as pool_lib
 
 Dtype = Any
 
@@ -177,10 +178,12 @@ class ResNet(nn.Module):
     unbiased_running_var: Track torch's unbiased running variance
       (``n / (n - 1)`` times the batch variance) in ``batch_stats['var']``;
       the default of :data:`resnet18_torchvision`.
-    tap_kernel_grads: On CPU, compute conv kernel gradients as one matrix
-      product per kernel tap (``jaxmp.nn.conv_general_dilated``; 4-17x
-      faster than XLA:CPU's own at CIFAR sizes). Same values up to fp32
-      rounding; no effect on other platforms.
+    cpu_convs: Use ``jaxmp.nn.conv_general_dilated`` and
+      ``jaxmp.nn.max_pool``, whose CPU lowerings are chosen per shape (im2col
+      products on maps of a few pixels, matrix-product kernel gradients for
+      1x1 convolutions, a max-pool gradient without select-and-scatter).
+      Same values up to fp32 rounding; no effect on other platforms. Jit
+      with ``jaxmp.cpu_compiler_options()`` for XLA's faster convolutions.
   """
 
   stage_sizes: Sequence[int]
@@ -195,7 +198,7 @@ class ResNet(nn.Module):
   axis_name: Optional[str] = None
   init_scheme: str = "flax"
   fused_norm: bool = True
-  tap_kernel_grads: bool = True
+  cpu_convs: bool = True
   unbiased_running_var: bool = False
 
   @nn.compact
@@ -218,8 +221,9 @@ class ResNet(nn.Module):
       raise ValueError(f'stem must be "cifar" or "imagenet", got {self.stem!r}')
     torch_init = self.init_scheme == "torchvision"
     conv_kwargs = dict(kernel_init=_TORCH_CONV_INIT) if torch_init else {}
-    if self.tap_kernel_grads:
+    if self.cpu_convs:
       conv_kwargs["conv_general_dilated"] = conv_lib.conv_general_dilated
+    max_pool = pool_lib.max_pool if self.cpu_convs else nn.max_pool
     conv = functools.partial(
       nn.Conv,
       use_bias=False,
@@ -245,7 +249,7 @@ class ResNet(nn.Module):
     else:
       x = conv(self.num_filters, (7, 7), (2, 2), padding=3, name="conv1")(x)
       x = norm_act(x, None, name="bn1", relu=True, train=train)
-      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+      x = max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
 
     for i, num_blocks in enumerate(self.stage_sizes):
       for j in range(num_blocks):

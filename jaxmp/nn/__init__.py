@@ -4,9 +4,12 @@ Needs flax: ``pip install 'jaxmp[flax]'``.
 
 * `BatchNorm`: BatchNorm(+residual add)(+ReLU) whose backward pass keeps only
   its half-precision input.
-* `conv_general_dilated`: ``lax.conv_general_dilated`` whose kernel gradient
-  is one matrix product per kernel tap on CPU; drop it into
+* `conv_general_dilated`: ``lax.conv_general_dilated`` with faster CPU
+  lowerings chosen per shape (im2col products on maps of a few pixels,
+  matrix-product kernel gradients for 1x1 kernels); drop it into
   ``flax.linen.Conv(conv_general_dilated=...)``.
+* `max_pool`: ``flax.linen.max_pool`` whose CPU gradient is elementwise work
+  instead of XLA's select-and-scatter.
 """
 
 try:
@@ -16,8 +19,10 @@ except ImportError:
 
 from jaxmp._src.conv import conv_general_dilated
 from jaxmp._src.fused_norm import FusedBatchNorm as BatchNorm
+from jaxmp._src.pool import max_pool
 
 __all__ = (
   "BatchNorm",
   "conv_general_dilated",
+  "max_pool",
 )
