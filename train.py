@@ -90,8 +90,9 @@ def main(argv):
   from cifar_train import cli  # pylint: disable=g-import-not-at-top
   from cifar_train import startup  # pylint: disable=g-import-not-at-top
 
-  # Before JAX starts its CPU thread pools.
-  startup.keep_freed_host_memory()
+  if FLAGS.config.get("reuse_host_memory"):
+    # Before JAX starts its CPU thread pools.
+    startup.keep_freed_host_memory()
   return cli.run(FLAGS.config, FLAGS.workdir)
 
 

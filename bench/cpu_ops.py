@@ -8,17 +8,93 @@ For every distinct convolution of both ResNet18s (the CIFAR-stem
 ``jaxmp.models.resnet18`` and ``resnet18_torchvision``, 64 filters, 32x32
 inputs, batch 128, fp32) it times the forward, the input gradient and the
 kernel gradient, as the models compute them on CPU
-(``jaxmp.nn.conv_general_dilated``: XLA's forward and input gradient,
-per-tap matmul kernel gradients), against ``torch.nn.functional.conv2d``,
+(``jaxmp.nn.conv_general_dilated``: XLA's convolutions, matrix-product
+kernel gradients for 1x1 kernels, im2col products on maps of at most 4
+pixels), against ``torch.nn.functional.conv2d``,
 ``torch.nn.grad.conv2d_input`` and ``conv2d_weight``; then the torchvision
-stem's 3x3/2 max-pool and its gradient, BatchNorm (``jaxmp.nn.BatchNorm``,
-train mode) forward and forward+backward at each stage's shape, and the
-SGD-momentum update of 11.2M params. JAX is jitted; torch runs on all cores.
+stem's 3x3/2 max-pool and its gradient (``jaxmp.nn.max_pool``), BatchNorm
+(``jaxmp.nn.BatchNorm``, train mode) forward and forward+backward at each
+stage's shape, and the SGD-momentum update of 11.2M params. JAX is jitted; torch runs on all cores.
 Repetitions are interleaved (JAX, torch, JAX, ...) and each time is a
 median, so that load on a shared machine hits both sides alike.
 
 The last line is the slowest op's JAX/torch ratio among those that take at
 least 5% of the torch step (``worst_op_jax_over_torch``).
+
+Measured on 2026-12-03, AMD EPYC with AVX-512 (2 cores, nothing else
+running), jax 0.10.2, torch 2.13.0+cpu, ``BENCH_REPS=5 python
+bench/cpu_ops.py``, jitted with ``jaxmp.cpu_compiler_options()`` ("x" is how
+often the op runs in one step)::
+
+  model       conv (output map)     x     forward ms  input grad ms  kernel grad ms
+                                         jax / torch    jax / torch    jax / torch
+  cifar       stem 3x3 32px         1    26.1/36.0      35.4/33.6      29.1/24.2
+  cifar       stage1 3x3 32px       4    78.8/94.0      72.4/106.9    101.9/88.8
+  cifar       stage2 3x3/2 32px     1    34.1/56.0     113.0/83.3      60.9/59.0
+  cifar       stage2 3x3 16px       3    60.6/47.4      61.9/49.3      75.3/59.8
+  cifar       stage2 1x1/2 32px     1     6.9/28.6      30.8/62.5       9.8/23.2
+  cifar       stage3 3x3/2 16px     1    34.2/30.0      70.2/55.5      41.6/43.7
+  cifar       stage3 3x3 8px        3    63.6/44.7      64.8/48.0      69.0/67.1
+  cifar       stage3 1x1/2 16px     1     6.4/7.3        8.4/33.1      10.4/14.4
+  cifar       stage4 3x3/2 8px      1    31.3/24.6      46.0/30.5      43.8/47.1
+  cifar       stage4 3x3 4px        3    57.3/39.9      63.4/38.8      55.9/79.7
+  cifar       stage4 1x1/2 8px      1     6.2/7.4        8.2/11.6       8.3/8.3
+  torchvision stem 7x7/2 32px       1    10.5/4.3       22.9/20.8      14.5/4.8
+  torchvision stage1 3x3 8px        4     6.5/3.1        4.0/3.4        4.8/4.4
+  torchvision stage2 3x3/2 8px      1     2.1/1.7        2.5/2.4        2.9/2.3
+  torchvision stage2 3x3 4px        3     7.0/2.7        7.4/2.9        7.9/5.0
+  torchvision stage2 1x1/2 8px      1     0.7/0.6        0.9/1.4        0.9/0.7
+  torchvision stage3 3x3/2 4px      1     5.1/2.6        4.6/4.0        6.1/6.1
+  torchvision stage3 3x3 2px        3     5.7/2.9        6.9/3.0        7.4/4.9
+  torchvision stage3 1x1/2 4px      1     0.7/0.7        0.8/1.6        0.6/0.9
+  torchvision stage4 3x3/2 2px      1     3.8/2.9        4.2/4.2        4.0/8.9
+  torchvision stage4 3x3 1px        3     6.8/2.8        4.1/2.6        8.1/10.3
+  torchvision stage4 1x1/2 2px      1     0.7/0.6        0.6/1.1        0.7/0.9
+
+  model       op                               x  jax ms  torch  ratio
+  cifar       BN+ReLU forward 32x32x64         5    20.0   35.8   0.56
+  cifar       BN+ReLU fwd+bwd 32x32x64         5    34.1  131.5   0.26
+  cifar       BN+ReLU forward 16x16x128        5     5.0    6.8   0.74
+  cifar       BN+ReLU fwd+bwd 16x16x128        5    11.1   30.6   0.36
+  cifar       BN+ReLU forward 8x8x256          5     3.1    7.2   0.43
+  cifar       BN+ReLU fwd+bwd 8x8x256          5     6.9   15.1   0.45
+  cifar       BN+ReLU forward 4x4x512          5     0.9    2.2   0.42
+  cifar       BN+ReLU fwd+bwd 4x4x512          5     1.9    5.2   0.36
+  cifar       SGD-momentum update              1     7.1    8.0   0.90
+  cifar       sum over one step                   3666.0 4224.0   0.87
+  torchvision max-pool forward                 1     4.1    9.4   0.44
+  torchvision max-pool fwd+grad                1    17.4   10.7   1.62
+  torchvision BN+ReLU forward 16x16x64         1     2.1    4.0   0.54
+  torchvision BN+ReLU fwd+bwd 16x16x64         1     6.2    9.8   0.63
+  torchvision BN+ReLU forward 8x8x64           4     0.6    0.9   0.68
+  torchvision BN+ReLU fwd+bwd 8x8x64           4     1.1    2.0   0.54
+  torchvision BN+ReLU forward 4x4x128          5     0.7    0.7   0.98
+  torchvision BN+ReLU fwd+bwd 4x4x128          5     1.0    1.5   0.67
+  torchvision BN+ReLU forward 2x2x256          5     0.4    0.5   0.87
+  torchvision BN+ReLU fwd+bwd 2x2x256          5     0.7    2.0   0.34
+  torchvision BN+ReLU forward 1x1x512          5     0.2    0.1   2.02
+  torchvision BN+ReLU fwd+bwd 1x1x512          5     0.4    0.3   1.29
+  torchvision SGD-momentum update              1     7.4    8.3   0.90
+  torchvision sum over one step                    381.0  285.0   1.34
+
+What it says:
+
+* With XLA's own convolutions (the options) every CIFAR-stem op is within
+  1.0-1.6x of PyTorch and the stage-1 convolutions and every BatchNorm are
+  faster; the sum over one step is 0.87x torch's. The rest of the JAX
+  step's time is outside these ops (``bench/cpu_vs_torch.py`` times the
+  whole step).
+* Without the options (``BENCH_COMPILER_OPTIONS=0``, YNNPACK's
+  convolutions) the same run's stage-1 3x3 forward was 177 ms, its input
+  gradient 163 ms and the kernel gradient (then per-tap products) 260 ms:
+  1.9x, 1.4x and 2.2x torch.
+* Left: the 3x3 convolutions of the later CIFAR stages (1.3-1.6x) and the
+  strided input gradients (1.4-1.5x); the torchvision stem's 7x7/2 forward
+  and kernel gradient (2.5-3x, 10-15 ms against 4-5 ms) and the 2-16 pixel
+  maps of its later stages (1.5-2.6x, a few ms each); its max-pool gradient
+  (1.6x; flax's select-and-scatter took 49-59 ms). The torchvision model's
+  whole step still beats torch's, whose per-op overhead is larger on such
+  small maps.
 """
 
 import functools

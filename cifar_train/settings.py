@@ -100,6 +100,7 @@ class Settings:
   keep_checkpoints: int
   progress_bar: bool
   compile_cache_dir: str
+  reuse_host_memory: bool
   inject_nan_data_at_step: int
   inject_overflow_at_step: int
   inject_overflow_leaf: str
@@ -265,6 +266,7 @@ def resolve(config: ml_collections.ConfigDict) -> Settings:
     keep_checkpoints=int(config.keep_checkpoints),
     progress_bar=bool(config.progress_bar),
     compile_cache_dir=_compile_cache_dir(config.compile_cache_dir),
+    reuse_host_memory=bool(config.reuse_host_memory),
     inject_nan_data_at_step=int(config.inject_nan_data_at_step),
     inject_overflow_at_step=int(config.inject_overflow_at_step),
     inject_overflow_leaf=config.inject_overflow_leaf,
