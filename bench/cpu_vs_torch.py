@@ -1,56 +1,74 @@
 """fp32 ResNet18 train step on CPU: JAX/XLA against PyTorch, same machine.
 
 Run: ``pip install -e .[bench]`` (torch 2.13.0), then
-``python bench/cpu_vs_torch.py``  (about 16 minutes on 2 cores).
+``python bench/cpu_vs_torch.py``  (about 12 minutes on 2 cores).
 ``BENCH_QUICK=1`` times the last rows at the sweep size instead of the full
-size (64 filters, batch 128); ``BENCH_SWEEP=0`` skips the sweep (then about
-5 minutes).
+size (64 filters, batch 128); ``BENCH_SWEEP=0`` skips the sweep and the
+extra full-size rows (then about 4 minutes); ``BENCH_FULL_REPS`` (default 3)
+sets the repetitions of the full-size rows.
 
-The step: the CIFAR ResNet18 (``jaxmp.models.resnet18``; the same
-network by hand in ``bench/_torch_resnet.py``), 10 classes, BatchNorm in train
-mode, softmax cross-entropy, SGD momentum 0.9, fp32. JAX jits the whole step
-with the state donated; PyTorch runs eagerly with ``torch.set_num_threads`` =
-the cores (2 here, XLA's default too). Each row is one fresh process (XLA
-flags are read once per process) that times the JAX and the torch step
-alternately (AB BA ...), warm-up excluded; the ratio is the median of the
-per-repetition ratios, which cancels the load drift of a shared machine.
-Exploration rows use 32 filters at batch 32 (the sweep), then XLA's own
-kernel gradients, the default and the sweep's best setting are measured at
-64 filters, batch 128.
+The step: both ResNet18s (``jaxmp.models.resnet18`` with the CIFAR stem and
+``resnet18_torchvision``; the same networks by hand in
+``bench/_torch_resnet.py``), 10 classes, BatchNorm in train mode, softmax
+cross-entropy, SGD momentum 0.9, fp32. JAX jits the whole step with the
+state donated and ``compiler_options=jaxmp.cpu_compiler_options()``, as the
+app does; PyTorch runs eagerly with ``torch.set_num_threads`` = the cores (2
+here, XLA's default too). Each row is one fresh process (XLA flags and
+glibc's malloc settings are read once per process) that times the JAX and
+the torch step alternately (AB BA ...), warm-up excluded; the ratio is the
+median of the per-repetition ratios. Sweep rows use 32 filters at batch 32;
+then both models at full size, with and without the compile options and
+with freed-memory reuse, and the sweep's best setting.
 
-Why JAX was slower, and what closed it (jaxlib 0.10.2, torch 2.13.0+cpu with
-oneDNN, AMD EPYC with AVX2, 2 shared cores, 2026-12-02):
+Where the time went, and what closed it (jaxlib 0.10.2, torch 2.13.0+cpu,
+AMD EPYC with AVX-512, 2 cores, 2026-12-03; per op: ``bench/cpu_ops.py``):
 
-* Timing each convolution of one layer apart (``bench/conv_grads.py``) put
-  the gap in one op: XLA:CPU computes a conv's kernel gradient as a spatial
-  convolution whose window is the whole feature map, 16-19x slower than
-  oneDNN at the first stage (32x32x64, batch 128: ~3.5-4 s against ~0.2 s)
-  and 5-9x at the second; forward and input gradient are within 1.6x.
-* jaxmp's ResNet now computes that gradient as one matrix product per
-  kernel tap on CPU (``jaxmp.nn.conv_general_dilated``, ``ResNet.tap_kernel_grads``,
-  default on; the forward and the input gradient stay XLA's): 4.22x -> 1.33x
-  at full size in this script's run (table below; the row "XLA's conv
-  kernel gradients" is the old model).
-* No XLA flag closes it by itself: in the sweep (32 filters, batch 32, the
-  taps on) every flag row lands within the run's noise of the default (1.27
-  to 1.53; the same setting moves by +-0.1 between runs on this shared
-  machine): oneDNN/YNNPACK/XNNPACK convolution fusion, fast math,
-  single-threaded Eigen, thunk runtime off (deprecated, ignored), highest
-  precision. ``fused_norm=False`` and torch ``channels_last`` are no
-  better either. The "best" row picked for the full-size run is the
-  sweep's minimum, so partly chance: read the default row.
-* Left: forward and input-gradient convolutions (1.1-1.6x oneDNN's) and the
-  first two stages' taps (1.2-1.9x oneDNN's, each tap copies a strided
-  window of the padded input).
+* **YNNPACK's convolutions.** jaxlib 0.10 hands every CPU convolution to
+  YNNPACK by default, about 2x slower here than XLA's own (Eigen)
+  convolution for the forward, the input gradient and the kernel gradient
+  alike (``jaxmp/_src/compiler.py``). ``jaxmp.cpu_compiler_options()``
+  keeps YNNPACK for dots and reductions only. CIFAR-stem step: 1.83-2.12x
+  torch without the options, 1.11-1.46x with them (rows below).
+* **Kernel gradients.** With XLA's convolutions back, XLA's kernel gradient
+  beats the per-tap matrix products jaxmp used since 2026-12-02 (stage 1:
+  102 ms against 260 ms), so ``jaxmp.nn.conv_general_dilated`` keeps the
+  taps only for 1x1 kernels (one product, 2-4x faster than XLA's) and the
+  im2col products for maps of at most 4 output pixels (XLA's convolutions
+  are 10-40x slower there).
+* **Max-pool gradient.** The torchvision stem's pool gradient was XLA's
+  select-and-scatter, 49-59 ms for a 5 ms forward; ``jaxmp.nn.max_pool``
+  computes it tap by tap in 8-17 ms.
+* **Page faults.** XLA's Eigen convolutions malloc up to 300 MB of scratch
+  per call from their worker threads; glibc maps it fresh and unmaps it on
+  free, so a CIFAR-stem step page-faults ~1.1 GB back in (270,000 minor
+  faults, 0.6 s of system time). One arena, no mmap and no trimming
+  (``--config.reuse_host_memory`` in the app, the "reuse freed memory" rows
+  here, set for both sides) remove the faults; alone in a process the JAX
+  step is 0.3-0.4 s faster, but torch gains more from it (its tensors fault
+  too): 2.3-2.8 s instead of 3.6 s a step, so the ratio does not improve.
+  The app leaves it off by default: it costs ~3 s of start-up with the
+  host-stream input pipeline.
+* **Tried, no gain.** Winograd F(2x2, 3x3) in jnp (forward plus gradients
+  1.3-2.5x slower than XLA's convolution: the transforms' memory traffic);
+  every XLA flag in the sweep lands within the run's noise of the default.
+* **Left.** With the options, the CIFAR-stem ops sum to 0.87x torch's
+  (``bench/cpu_ops.py``; torch's large tensors pay the page faults there);
+  the 3x3 convolutions of stages 2-4 and the strided input gradients are
+  still 1.3-1.6x oneDNN's, and the whole JAX step spends 10-30% outside the
+  ops that the per-op bench times. PyTorch's oneDNN is faster than XLA's
+  matrix products on the late stages' shapes. The goal of <= 1.0 is met by
+  the torchvision model in one run (0.97) and missed by the CIFAR stem.
 
 Run nothing else on the machine while this runs: CPU contention hurts torch
-(OpenMP threads spin-wait) far more than XLA and makes the ratios noisy.
+(OpenMP threads spin-wait) far more than XLA, and even alone the same row
+moves by up to 30% between runs on these shared hosts. Three runs of
+2026-12-03 at full size, default setting: CIFAR stem 1.11x, 1.46x and 1.40x
+(``BENCH_SWEEP=0 BENCH_FULL_REPS=5``); torchvision stem 1.23x and 1.01x (and
+0.97x with freed-memory reuse on both sides). Read several runs.
 
-The last rows time both models at full size with the default setting: the
-CIFAR-stem ``resnet18`` and ``resnet18_torchvision`` (against
-``bench/_torch_resnet.py``'s copy of torchvision's ResNet18). The last line
-is ``jax_over_torch_step_time: X``, the worse of the two (goal <= 1.0); the
-two lines above it give each model's ratio.
+The last line is ``jax_over_torch_step_time: X``, the worse of the two
+models at the default setting (goal <= 1.0); the two lines above it give
+each model's ratio.
 """
 
 import json
