@@ -129,7 +129,7 @@ def numpy_eval_logits(sd, arch, x):
   return pooled @ sd[f"{classifier}.weight"].T + sd[f"{classifier}.bias"]
 
 
-def _model(arch, dtype="float32"):
+def _model(arch, dtype="float32", fused_norm=True):
   return models.get_model(
     arch,
     num_classes=CLASSES,
@@ -138,6 +138,7 @@ def _model(arch, dtype="float32"):
     dtype=dtype,
     param_dtype=dtype,
     norm_dtype=dtype,
+    fused_norm=fused_norm,
   )
 
 
@@ -421,9 +422,14 @@ def test_parity_with_kuangliu_named_cifar_resnet18(dtype):
 GRAD_TOL = {"float32": 3e-4, "float64": 1e-10}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(
+  "dtype, fused_norm",
+  # The unfused path (flax's BatchNorm + ReLU) in float64 too.
+  [("float32", True), ("float64", True), ("float64", False)],
+  ids=["float32", "float64", "float64-unfused_norm"],
+)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_gradients_match_torch(arch, dtype):
+def test_gradients_match_torch(arch, dtype, fused_norm):
   torch, tr = _torch_resnet()
   net = _torch_net(torch, tr, arch, dtype, 2)
   rename = _kuangliu if arch == "resnet18" else (lambda n: n)
@@ -438,7 +444,7 @@ def test_gradients_match_torch(arch, dtype):
   torch.nn.functional.cross_entropy(net(x), torch.from_numpy(labels)).backward()
   want = {rename(k): p.grad.numpy() for k, p in net.named_parameters()}
 
-  model = _model(arch, dtype)
+  model = _model(arch, dtype, fused_norm)
 
   def loss_fn(params):
     logits, _ = model.apply(
