@@ -57,10 +57,8 @@ def main():
     param_dtype=jnp.float16,
   )
   rng = np.random.default_rng(0)
-  images = jnp.asarray(rng.standard_normal((BATCH, 32, 32, 3)), jnp.float16)
-  labels = jnp.asarray(rng.integers(0, 10, BATCH), jnp.int32)
-  variables = jax.jit(lambda k: model.init(k, images[:1], train=False))(
-    jax.random.key(0)
+  images, labels, variables = step_overhead.random_batch_and_variables(
+    model, BATCH, jnp.float16, rng
   )
   inner = optax.chain(
     optax.add_decayed_weights(5e-4), optax.sgd(0.1, momentum=0.9)

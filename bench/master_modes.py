@@ -126,10 +126,8 @@ def step_times() -> None:
     param_dtype=jnp.bfloat16,
   )
   rng = np.random.default_rng(0)
-  images = jnp.asarray(rng.standard_normal((BATCH, 32, 32, 3)), jnp.bfloat16)
-  labels = jnp.asarray(rng.integers(0, 10, BATCH), jnp.int32)
-  variables = jax.jit(lambda k: model.init(k, images[:1], train=False))(
-    jax.random.key(0)
+  images, labels, variables = step_overhead.random_batch_and_variables(
+    model, BATCH, jnp.bfloat16, rng
   )
   grads = jax.tree.map(
     lambda p: jnp.asarray(1e-3 * rng.standard_normal(p.shape), p.dtype),

@@ -124,13 +124,25 @@ def time_interleaved(cases: dict, images, labels, reps: int) -> dict:
   return times
 
 
+def random_batch_and_variables(model, batch: int, dtype, rng):
+  """A random CIFAR-shaped batch and ``model``'s variables from key 0.
+
+  Returns ``(images, labels, variables)``: images in ``dtype``, int32
+  labels; ``rng`` (a NumPy Generator) draws the images, then the labels.
+  """
+  images = jnp.asarray(rng.standard_normal((batch, 32, 32, 3)), dtype)
+  labels = jnp.asarray(rng.integers(0, 10, batch), jnp.int32)
+  variables = jax.jit(lambda k: model.init(k, images[:1], train=False))(
+    jax.random.key(0)
+  )
+  return images, labels, variables
+
+
 def main():
   model = resnet18(num_classes=10, num_filters=FILTERS)
   rng = np.random.default_rng(0)
-  images = jnp.asarray(rng.standard_normal((BATCH, 32, 32, 3), np.float32))
-  labels = jnp.asarray(rng.integers(0, 10, BATCH), jnp.int32)
-  variables = jax.jit(lambda k: model.init(k, images[:1], train=False))(
-    jax.random.key(0)
+  images, labels, variables = random_batch_and_variables(
+    model, BATCH, jnp.float32, rng
   )
 
   inner = optax.chain(

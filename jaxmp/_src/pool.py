@@ -70,9 +70,7 @@ def max_pool(
     return nn.max_pool(inputs, window, strides, pads)
   return lax.platform_dependent(
     inputs,
-    cpu=functools.partial(
-      _tap_max_pool, window=window, strides=strides, pads=pads
-    ),
+    cpu=lambda x: _tap_max_pool(x, window, strides, pads),
     default=lambda x: _reduce_window_max(x, window, strides, pads),
   )
 
@@ -91,12 +89,8 @@ def _reduce_window_max(x, window, strides, pads):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _tap_max_pool_vjp(x, window, strides, pads):
+def _tap_max_pool(x, window, strides, pads):
   return _reduce_window_max(x, window, strides, pads)
-
-
-def _tap_max_pool(x, *, window, strides, pads):
-  return _tap_max_pool_vjp(x, window, strides, pads)
 
 
 def _fwd(x, window, strides, pads):
@@ -140,4 +134,4 @@ def _bwd(window, strides, pads, residuals, dy):
   return (lax.slice(dxp, (0, lo_h, lo_w, 0), (n, lo_h + h, lo_w + w, c)),)
 
 
-_tap_max_pool_vjp.defvjp(_fwd, _bwd)
+_tap_max_pool.defvjp(_fwd, _bwd)
