@@ -4,13 +4,21 @@ A source compiles the train step for its mode (`jit_step`) and yields, per
 epoch, the arguments that step takes after the state (`epoch`). The loop then
 runs ``state, metrics = step(state, *args, metrics)`` for either mode:
 
-* `HostStream`: augmented batches from tf.data on the host, placed on the
-  devices each step (any data set size).
-* `DeviceResident`: the uint8 data set copied to the devices once; batches
-  are gathered, cropped, flipped and normalised inside the step.
+* `HostStream`: batches built in numpy on the host (`host_stream`), placed
+  on the devices by a background thread two steps ahead of the step that
+  takes them (any data set size).
+* `DeviceResident`: the padded uint8 data set copied to the devices once;
+  the step gathers, crops, flips and normalises its batch itself
+  (`device_data`).
+
+Both train on the same batches, bit for bit: `host_stream.epoch_plan` of
+``(seed, epoch)`` says what every batch holds.
 """
 
-from collections.abc import Iterator, Sequence
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -44,8 +52,60 @@ class BatchSource(Protocol):
     """``(images, labels)`` that a step on ``args`` of `epoch` trains on."""
 
 
+def prefetch(
+  items: Iterable[Any], size: int, transform: Callable[[Any], Any]
+) -> Iterator[Any]:
+  """``transform(item)`` of each item, computed ``size`` items ahead.
+
+  A daemon thread builds the items and transforms them (for batches:
+  `jax.make_array_from_process_local_data`, which starts the host-to-device
+  copy), so that the next batches are on their way while the devices run
+  the current step. An exception in the thread is raised here, at the item
+  it concerns; closing this generator stops the thread.
+
+  >>> list(prefetch(range(4), 2, lambda x: x * 10))
+  [0, 10, 20, 30]
+  """
+  done = object()
+  buffer = queue.Queue(maxsize=max(size, 1))
+  stop = threading.Event()
+
+  def put(value) -> bool:
+    while not stop.is_set():
+      try:
+        buffer.put(value, timeout=0.1)
+        return True
+      except queue.Full:
+        pass
+    return False
+
+  def produce():
+    try:
+      for item in items:
+        if not put((transform(item), None)):
+          return
+    except BaseException as e:  # pylint: disable=broad-except
+      put((None, e))
+      return
+    put((done, None))
+
+  thread = threading.Thread(target=produce, daemon=True, name="prefetch")
+  thread.start()
+  try:
+    while True:
+      value, error = buffer.get()
+      if error is not None:
+        raise error
+      if value is done:
+        return
+      yield value
+  finally:
+    stop.set()
+    thread.join()
+
+
 class HostStream:
-  """Batches from `host_stream.train_batches`, one host-to-device copy each."""
+  """Batches from `host_stream.HostBatches`, prefetched to the devices."""
 
   def __init__(
     self,
@@ -58,13 +118,16 @@ class HostStream:
     augment: bool,
     replicated: NamedSharding,
     batch_sharding: NamedSharding,
+    prefetch_batches: int = 2,
   ):
-    self._data = data
-    self._stream_args = dict(
-      seed=seed, batch_size=batch_size, mean=mean, std=std, augment=augment
+    self._num_examples = len(data.train_images)
+    self._batches = host_stream.HostBatches(
+      data.train_images, data.train_labels, mean=mean, std=std
     )
+    self._plan_args = dict(seed=seed, batch_size=batch_size, augment=augment)
     self._replicated = replicated
     self._batch_sharding = batch_sharding
+    self._prefetch = prefetch_batches
 
   def jit_step(self, train_step):
     """``train_step`` jitted over host batches: ``(state, x, y, metrics)``."""
@@ -79,18 +142,17 @@ class HostStream:
 
   def epoch(self, state, epoch, start_batch, num_batches):
     """The batches ``start_batch..`` of ``epoch``, placed on the mesh."""
-    del state  # The stream is a function of (seed, epoch) alone.
-    stream = host_stream.train_batches(
-      self._data.train_images,
-      self._data.train_labels,
-      epoch=epoch,
-      start_batch=start_batch,
-      process_index=jax.process_index(),
-      process_count=jax.process_count(),
-      **self._stream_args,
+    del state  # The batches are a function of (seed, epoch) alone.
+    plan = host_stream.epoch_plan(
+      epoch=epoch, num_examples=self._num_examples, **self._plan_args
     )
-    for _, batch in zip(range(num_batches), stream):
-      b = mesh.global_batch(batch, self._batch_sharding)
+    local = self._batches.epoch(
+      plan, start_batch, jax.process_index(), jax.process_count()
+    )
+    place = lambda b: mesh.global_batch(b, self._batch_sharding)
+    for b in prefetch(
+      itertools.islice(local, num_batches), self._prefetch, place
+    ):
       yield b["image"], b["label"]
 
   def batch(self, state, images, labels):
@@ -100,13 +162,14 @@ class HostStream:
 
 
 class DeviceResident:
-  """The whole uint8 training set on the devices (airbench style)."""
+  """The whole padded uint8 training set on the devices (airbench style)."""
 
   def __init__(
     self,
     data: Dataset,
     *,
     batch_size: int,
+    seed: int,
     mean: Sequence[float],
     std: Sequence[float],
     augment: bool,
@@ -114,43 +177,48 @@ class DeviceResident:
     batch_sharding: NamedSharding,
   ):
     self._num_examples = len(data.train_images)
-    self._images = jax.device_put(data.train_images, replicated)
-    self._labels = jax.device_put(data.train_labels, replicated)
-    self._step_args = dict(
-      batch_size=batch_size,
-      mean=mean,
-      std=std,
-      augment=augment,
-      batch_sharding=batch_sharding,
-    )
-    self._replicated = replicated
-    self._batch = jax.jit(steps.make_device_batch(**self._step_args))
-    n = self._num_examples
-    self._perm = jax.jit(
-      lambda key, epoch: device_data.device_epoch_permutation(
-        jax.random.wrap_key_data(key), epoch, n
+    self._arrays = jax.device_put(
+      (
+        host_stream.pad(data.train_images),
+        np.asarray(data.train_labels, np.int32),
+        host_stream.normalization_table(mean, std),
       ),
-      out_shardings=replicated,
+      replicated,
     )
+    self._plan_args = dict(seed=seed, batch_size=batch_size, augment=augment)
+    self._replicated = replicated
+    self._batch_sharding = batch_sharding
+
+    def batch(padded, labels, table, index, offsets, flips, k):
+      return device_data.device_batch(
+        padded, labels, table, index[k], offsets[k], flips[k]
+      )
+
+    self._batch = jax.jit(batch)
 
   def jit_step(self, train_step):
-    """``train_step`` jitted to gather its batch from the resident set."""
+    """``train_step`` jitted to build its batch from the resident set."""
     r = self._replicated
-    step = steps.make_device_train_step(train_step, **self._step_args)
+    step = device_data.make_device_train_step(train_step, self._batch_sharding)
     return jax.jit(
       step,
-      in_shardings=(r, r, r, r, None, r),
+      in_shardings=(r, r, r, r, r, r, r, None, r),
       out_shardings=(r, r),
-      donate_argnums=(0, 5),
+      donate_argnums=(0, 8),
       compiler_options=jaxmp.cpu_compiler_options() or None,
     )
 
   def epoch(self, state, epoch, start_batch, num_batches):
-    """The epoch's permutation and batch indices; no data moves."""
-    perm = self._perm(state.rng, epoch)
-    for batch in range(start_batch, start_batch + num_batches):
-      yield self._images, self._labels, perm, np.int32(batch)
+    """The data, the epoch's plan and each step's index; one small copy."""
+    del state
+    plan = host_stream.epoch_plan(
+      epoch=epoch, num_examples=self._num_examples, **self._plan_args
+    )
+    plan = jax.device_put(tuple(plan), self._replicated)
+    for k in range(start_batch, start_batch + num_batches):
+      yield (*self._arrays, *plan, np.int32(k))
 
-  def batch(self, state, images_u8, labels, perm, batch_index):
+  def batch(self, state, *args):
     """The batch gathered and augmented as the step does it."""
-    return self._batch(state, images_u8, labels, perm, batch_index)
+    del state
+    return self._batch(*args)

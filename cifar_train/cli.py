@@ -1,4 +1,4 @@
-"""The command line's job: validate, hide GPUs from TensorFlow, train.
+"""The command line's job: validate, then train.
 
 Only the app's `UserError` becomes ``error: <message>`` with exit code 2;
 any other exception is a bug and keeps its traceback.
@@ -31,13 +31,10 @@ def run(
 
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
   try:
-    # Validated before TensorFlow is imported: a bad value fails at once.
+    # Validated before the heavy imports: a bad value fails at once.
     resolved = settings.resolve(config)
-    from cifar_train import host_stream  # pylint: disable=g-import-not-at-top
     from cifar_train import loop  # pylint: disable=g-import-not-at-top
 
-    # TensorFlow only feeds the host: it must never take the GPUs from JAX.
-    host_stream.hide_gpus_from_tensorflow()
     loop.train(resolved, workdir, data=data, config_record=config.to_dict())
   except UserError as e:
     return fail(str(e))

@@ -1,102 +1,77 @@
-"""Device-resident data: the host stream's augmentation in `jax.numpy`.
+"""Device-resident data: `host_stream`'s batch, built on the accelerators.
 
-For a data set kept on the accelerators (airbench style): call these inside
-the jitted train step. Crops and flips match `host_stream`'s in kind (pad 4,
-horizontal flip), not draw for draw.
+For a data set kept on the devices (airbench style), the jitted train step
+builds its own batch from the zero-padded uint8 set, the epoch's
+`host_stream.EpochPlan` (put on the devices once per epoch) and the step's
+index. The integer indexing is `host_stream`'s own (`crop_rows_cols`), and
+the float32 values are looked up in `host_stream.normalization_table`, so a
+batch is bitwise the host's: there is no float arithmetic to round
+differently (or to fuse into an FMA) on the device.
 """
-
-from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-PAD = 4  # Random-crop padding, in pixels.
-
-
-def normalization(
-  mean: Sequence[float], std: Sequence[float]
-) -> tuple[np.ndarray, np.ndarray]:
-  """`(scale, bias)` such that `x_u8 * scale + bias == (x_u8 / 255 - m) / s`."""
-  mean = np.asarray(mean, np.float32)
-  std = np.asarray(std, np.float32)
-  return 1.0 / (255.0 * std), -mean / std
+from cifar_train import host_stream
 
 
-def device_epoch_permutation(
-  key: jax.Array, epoch: jax.typing.ArrayLike, num_examples: int
-) -> jax.Array:
-  """The example order of `epoch` for device-resident data.
+def device_batch(
+  padded: jax.Array,
+  labels: jax.Array,
+  table: jax.Array,
+  index: jax.Array,
+  offsets: jax.Array,
+  flips: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+  """The normalised crops of examples ``index``, on the device.
 
   Args:
-    key: a PRNG key (the data key of the run).
-    epoch: epoch number; may be traced.
-    num_examples: static number of examples.
+    padded: uint8 ``[N, H + 2 PAD, W + 2 PAD, C]`` (`host_stream.pad`).
+    labels: int32 ``[N]``.
+    table: float32 ``[256, C]`` (`host_stream.normalization_table`).
+    index: int32 ``[B]``: the examples.
+    offsets: int32 ``[B, 2]``: crop corners in the padded images.
+    flips: bool ``[B]``.
 
   Returns:
-    int32 `[num_examples]` permutation.
+    ``(images, labels)``: float32 ``[B, H, W, C]`` and int32 ``[B]``, equal
+    to `host_stream.HostBatches.batch` of the same arguments.
 
-  >>> perm = device_epoch_permutation(jax.random.key(0), 3, 10)
-  >>> sorted(perm.tolist()) == list(range(10))
-  True
+  >>> import numpy as np
+  >>> images = np.arange(2 * 2 * 2 * 3, dtype=np.uint8).reshape(2, 2, 2, 3)
+  >>> x, y = device_batch(
+  ...     jnp.asarray(host_stream.pad(images)), jnp.arange(2),
+  ...     jnp.asarray(host_stream.normalization_table((0.,) * 3, (1.,) * 3)),
+  ...     jnp.array([1]), jnp.array([[4, 4]]), jnp.array([True]))
+  >>> bool((x[0] * 255 == images[1, :, ::-1]).all()), y.tolist()
+  (True, [1])
   """
-  return jax.random.permutation(jax.random.fold_in(key, epoch), num_examples)
+  h = padded.shape[1] - 2 * host_stream.PAD
+  w = padded.shape[2] - 2 * host_stream.PAD
+  rows, cols = host_stream.crop_rows_cols(offsets, flips, h, w, xp=jnp)
+  pixels = padded[index[:, None, None], rows[:, :, None], cols[:, None, :]]
+  channels = jnp.arange(table.shape[1])
+  return table[pixels.astype(jnp.int32), channels], labels[index]
 
 
-def device_augment(images: jax.Array, key: jax.Array) -> jax.Array:
-  """Pad-4 random crop and random horizontal flip, per example, on device.
+def make_device_train_step(train_step, batch_sharding=None):
+  """``train_step`` over a data set kept on the devices.
 
-  One gather from the zero-padded batch: output pixel `(i, r, c)` reads
-  `padded[i, dy_i + r, dx_i + c']` with `c' = W - 1 - c` for flipped
-  examples. No per-example loop; XLA emits a single gather.
-
-  Args:
-    images: `[B, H, W, C]` of any dtype (uint8 keeps the gather cheap).
-    key: PRNG key; each example gets its own draw.
-
-  Returns:
-    `[B, H, W, C]`, same dtype as `images`.
-
-  >>> x = jnp.ones((2, 32, 32, 3), jnp.uint8)
-  >>> device_augment(x, jax.random.key(0)).shape
-  (2, 32, 32, 3)
+  Returns ``step(state, padded, labels, table, plan_index, plan_offsets,
+  plan_flips, batch_index, metrics)``: it slices step ``batch_index`` of the
+  epoch's plan, builds the batch with `device_batch` (sharded like
+  ``batch_sharding`` when given), then runs
+  ``train_step(state, images, labels, metrics)``.
   """
-  b, h, w, _ = images.shape
-  k_offset, k_flip = jax.random.split(key)
-  offsets = jax.random.randint(k_offset, (b, 2), 0, 2 * PAD + 1)
-  flip = jax.random.bernoulli(k_flip, 0.5, (b,))
-  padded = jnp.pad(images, ((0, 0), (PAD, PAD), (PAD, PAD), (0, 0)))
-  rows = offsets[:, :1] + jnp.arange(h)[None, :]  # [B, H]
-  cols = jnp.where(flip[:, None], jnp.arange(w - 1, -1, -1), jnp.arange(w))
-  cols = offsets[:, 1:] + cols  # [B, W]
-  return padded[
-    jnp.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]
-  ]
 
+  def step(state, padded, labels, table, index, offsets, flips, k, metrics):
+    index, offsets, flips = index[k], offsets[k], flips[k]
+    if batch_sharding is not None:
+      index, offsets, flips = (
+        jax.lax.with_sharding_constraint(a, batch_sharding)
+        for a in (index, offsets, flips)
+      )
+    x, y = device_batch(padded, labels, table, index, offsets, flips)
+    return train_step(state, x, y, metrics)
 
-def normalize(
-  images: jax.Array,
-  mean: Sequence[float],
-  std: Sequence[float],
-  dtype: Any = jnp.float32,
-) -> jax.Array:
-  """Scales uint8 images to `[0, 1]`, then `(x - mean) / std`, in `dtype`.
-
-  The arithmetic runs in float32 and only the result is cast, so a float16
-  `dtype` loses no more than its own rounding.
-
-  Args:
-    images: uint8 `[..., C]`.
-    mean: per-channel mean, length `C`.
-    std: per-channel standard deviation, length `C`.
-    dtype: output dtype.
-
-  Returns:
-    `images` normalised, of `dtype`.
-
-  >>> normalize(jnp.full((1, 3), 255, jnp.uint8), (0.5,) * 3, (0.5,) * 3)
-  Array([[1., 1., 1.]], dtype=float32)
-  """
-  scale, bias = normalization(mean, std)
-  return (images.astype(jnp.float32) * scale + bias).astype(dtype)
+  return step

@@ -1,40 +1,37 @@
-"""The host input stream: tf.data training batches and padded eval batches.
+"""The batch of a step, defined once in numpy, and the padded eval batches.
 
-* `train_batches` streams one epoch of augmented, normalised batches through
-  `tf.data`. The order is a permutation seeded by `(seed, epoch)` and every
-  random crop and flip is drawn by a stateless op from `(seed, epoch, batch)`,
-  so the stream is a function of `(seed, epoch)` alone: `start_batch=k`
-  resumes it bitwise, and it does not depend on `process_count`.
-* `eval_batches` yields every example exactly once, with a padded last batch
-  and a mask, so that the eval step never recompiles.
+Training batch ``k`` of epoch ``e`` is a function of ``(seed, e, k)`` alone:
+
+* `epoch_plan` draws, from ``(seed, e)``, the epoch's example order (a
+  permutation) and every example's pad-4 crop offsets and horizontal flip;
+* `HostBatches` builds the batch in numpy: the data set is zero-padded once,
+  one fancy index per batch gathers the cropped and flipped uint8 pixels,
+  and `normalize` scales them to float32 (``x * scale + bias``, two float32
+  roundings);
+* the device-resident mode (`device_data.device_batch`) runs the same
+  integer indexing on the devices and looks the float32 values up in
+  `normalization_table`, which is `normalize` of every byte value: the
+  same floats, bit for bit, with no float arithmetic on the device.
+
+So ``start_batch=k`` resumes an epoch bitwise, a batch does not depend on
+``process_count`` (each process builds only its rows of it), and both data
+modes train on the same batches. `eval_batches` yields every test example
+exactly once, with a padded last batch and a mask, so that the eval step
+never recompiles.
 
 Images must have one fixed shape per data set (CIFAR: 32x32x3); this module
 does not resize.
 """
 
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
-import tensorflow as tf
 
-from cifar_train.device_data import normalization
-from cifar_train.device_data import PAD
 from cifar_train.errors import ConfigError
 
 Batch = dict[str, np.ndarray]
-
-
-def hide_gpus_from_tensorflow() -> None:
-  """TensorFlow only feeds the host: keep it off the GPUs that JAX uses."""
-  try:
-    tf.config.set_visible_devices([], "GPU")
-  except (RuntimeError, ValueError):  # Devices already initialised.
-    pass
-
-
-# ----------------------------------------------------------------------------
-# Training stream (tf.data).
-# ----------------------------------------------------------------------------
+PAD = 4  # Random-crop padding, in pixels.
 
 
 def steps_per_epoch(num_examples: int, global_batch: int) -> int:
@@ -51,65 +48,182 @@ def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
   return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
-def _tf_crop_flip(
-  images: tf.Tensor, offsets: tf.Tensor, flip: tf.Tensor
-) -> tf.Tensor:
-  """Pad-4 crop and horizontal flip of a uint8 batch, all examples at once.
+class EpochPlan(NamedTuple):
+  """What every batch of one epoch holds, for the global batch.
 
-  Two batched gathers on the zero-padded batch (rows, then shifted and
-  possibly reversed columns) instead of a per-example map.
+  Attributes:
+    index: int32 ``[steps, B]``: the examples of each step's batch.
+    offsets: int32 ``[steps, B, 2]``: each example's crop corner ``(row,
+      col)`` in the padded image, in ``[0, 2 * PAD]``; ``PAD`` without
+      augmentation (the image itself).
+    flips: bool ``[steps, B]``: whether the example is flipped left-right.
+  """
+
+  index: np.ndarray
+  offsets: np.ndarray
+  flips: np.ndarray
+
+
+def epoch_plan(
+  seed: int, epoch: int, num_examples: int, batch_size: int, augment: bool
+) -> EpochPlan:
+  """The order, crops and flips of epoch ``epoch``, from ``(seed, epoch)``.
 
   Args:
-    images: uint8 `[B, H, W, C]`.
-    offsets: int32 `[B, 2]` crop corner `(row, col)` in the padded image,
-      each in `[0, 2 * PAD]`.
-    flip: bool `[B]`.
+    seed: the run's seed.
+    epoch: the epoch number.
+    num_examples: the training set's size.
+    batch_size: the global batch size.
+    augment: draw crops and flips; else every batch is the plain images.
 
   Returns:
-    uint8 `[B, H, W, C]`.
+    The `EpochPlan` of ``steps_per_epoch(num_examples, batch_size)`` steps.
+
+  >>> plan = epoch_plan(0, 1, 10, 4, augment=True)
+  >>> plan.index.shape, plan.offsets.shape, plan.flips.shape
+  ((2, 4), (2, 4, 2), (2, 4))
   """
-  h, w = images.shape[1], images.shape[2]
-  padded = tf.pad(images, [[0, 0], [PAD, PAD], [PAD, PAD], [0, 0]])
-  rows = offsets[:, :1] + tf.range(h)[None, :]  # [B, H]
-  cols = offsets[:, 1:] + tf.where(
-    flip[:, None], tf.range(w - 1, -1, -1)[None, :], tf.range(w)[None, :]
-  )  # [B, W]
-  out = tf.gather(padded, rows, axis=1, batch_dims=1)  # [B, H, W + 2P, C]
-  return tf.gather(out, cols, axis=2, batch_dims=1)
+  steps = steps_per_epoch(num_examples, batch_size)
+  perm = epoch_permutation(seed, epoch, num_examples)
+  index = perm[: steps * batch_size].reshape(steps, batch_size)
+  if augment:
+    rng = np.random.default_rng([seed, epoch, 1])
+    offsets = rng.integers(0, 2 * PAD + 1, (steps, batch_size, 2))
+    flips = rng.integers(0, 2, (steps, batch_size)) == 1
+  else:
+    offsets = np.full((steps, batch_size, 2), PAD)
+    flips = np.zeros((steps, batch_size), bool)
+  return EpochPlan(
+    index.astype(np.int32), offsets.astype(np.int32), flips.astype(bool)
+  )
 
 
-@tf.function(jit_compile=True)
-def _tf_augment_normalize(
-  images: tf.Tensor,
-  offsets: tf.Tensor,
-  flip: tf.Tensor,
-  scale: np.ndarray,
-  bias: np.ndarray,
-) -> tf.Tensor:
-  """`_tf_crop_flip`, then `images * scale + bias` in float32, fused by XLA.
+def normalization(
+  mean: Sequence[float], std: Sequence[float]
+) -> tuple[np.ndarray, np.ndarray]:
+  """float32 ``(scale, bias)`` with ``x * scale + bias ~ (x / 255 - m) / s``."""
+  mean = np.asarray(mean, np.float32)
+  std = np.asarray(std, np.float32)
+  return (1.0 / (255.0 * std)).astype(np.float32), (-mean / std).astype(
+    np.float32
+  )
 
-  XLA matters here: TF's unfused cast, multiply and add run at ~15k img/s per
-  core for CIFAR batches, the fused kernel at >50k. The random draws stay
-  outside (XLA's and TF's stateless RNGs need not agree bit for bit).
+
+def normalize(
+  images: np.ndarray, scale: np.ndarray, bias: np.ndarray
+) -> np.ndarray:
+  """uint8 ``[..., C]`` to float32 ``images * scale + bias`` (two roundings).
+
+  The one definition of the normalisation: `normalization_table` is this
+  function of every byte value.
   """
-  images = _tf_crop_flip(images, offsets, flip)
-  return tf.cast(images, tf.float32) * scale + bias
+  out = np.multiply(images, scale, dtype=np.float32)
+  out += bias
+  return out
 
 
-def _tf_augment_params(
-  seed: tf.Tensor, batch_size: int
-) -> tuple[tf.Tensor, tf.Tensor]:
-  """Stateless crop offsets `[B, 2]` in `[0, 2 * PAD]` and flips `[B]`."""
-  offsets = tf.random.stateless_uniform(
-    [batch_size, 2], seed=seed, maxval=2 * PAD + 1, dtype=tf.int32
-  )
-  flip = tf.random.stateless_uniform(
-    [batch_size],
-    seed=tf.random.experimental.stateless_fold_in(seed, 1),
-    maxval=2,
-    dtype=tf.int32,
-  )
-  return offsets, flip == 1
+def normalization_table(
+  mean: Sequence[float], std: Sequence[float]
+) -> np.ndarray:
+  """float32 ``[256, C]``: `normalize` of each byte value, per channel.
+
+  >>> table = normalization_table((0.5,) * 3, (0.5,) * 3)
+  >>> table.shape, table[0].tolist(), table[255].tolist()
+  ((256, 3), [-1.0, -1.0, -1.0], [1.0, 1.0, 1.0])
+  """
+  scale, bias = normalization(mean, std)
+  values = np.repeat(np.arange(256, dtype=np.uint8)[:, None], len(scale), 1)
+  return normalize(values, scale, bias)
+
+
+def pad(images: np.ndarray) -> np.ndarray:
+  """uint8 ``[N, H + 2 PAD, W + 2 PAD, C]``: ``images`` zero-padded."""
+  n, h, w, c = images.shape
+  out = np.zeros((n, h + 2 * PAD, w + 2 * PAD, c), images.dtype)
+  out[:, PAD : PAD + h, PAD : PAD + w] = images
+  return out
+
+
+def crop_rows_cols(
+  offsets, flips, height: int, width: int, xp=np
+) -> tuple[np.ndarray, np.ndarray]:
+  """Rows ``[B, H]`` and columns ``[B, W]`` of each crop in the padded images.
+
+  Output pixel ``(r, c)`` of example ``i`` is padded pixel
+  ``(rows[i, r], cols[i, c])``; a flipped example reads its columns in
+  reverse. ``xp`` is `numpy` or `jax.numpy`: the device mode calls this too.
+  """
+  r = xp.arange(height, dtype=np.int32)
+  c = xp.arange(width, dtype=np.int32)
+  rows = offsets[:, :1] + r[None, :]
+  cols = offsets[:, 1:] + xp.where(flips[:, None], c[::-1][None], c[None])
+  return rows, cols
+
+
+class HostBatches:
+  """Training batches of one data set, built in numpy on the host.
+
+  The data set is padded once (`pad`); a batch is one fancy index into it
+  (each pixel's three bytes read as one item) and `normalize`.
+  """
+
+  def __init__(
+    self,
+    images: np.ndarray,
+    labels: np.ndarray,
+    *,
+    mean: Sequence[float],
+    std: Sequence[float],
+  ):
+    n, self._h, self._w, c = images.shape
+    padded = pad(np.ascontiguousarray(images, np.uint8))
+    self._pw = padded.shape[2]
+    self._ph = padded.shape[1]
+    # One item per pixel: a gather moves C bytes at once.
+    self._pixels = padded.view(np.dtype((np.void, c))).reshape(-1)
+    self._channels = c
+    self._labels = np.asarray(labels, np.int32)
+    self._scale, self._bias = normalization(mean, std)
+    self.num_examples = n
+
+  def batch(self, index, offsets, flips) -> Batch:
+    """The normalised crops of examples ``index`` (int ``[b]``)."""
+    rows, cols = crop_rows_cols(offsets, flips, self._h, self._w)
+    flat = (
+      index.astype(np.intp)[:, None, None] * (self._ph * self._pw)
+      + rows[:, :, None] * self._pw
+      + cols[:, None, :]
+    )
+    pixels = self._pixels[flat].view(np.uint8)
+    pixels = pixels.reshape(len(index), self._h, self._w, self._channels)
+    return {
+      "image": normalize(pixels, self._scale, self._bias),
+      "label": self._labels[index],
+    }
+
+  def epoch(
+    self,
+    plan: EpochPlan,
+    start_batch: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+  ) -> Iterator[Batch]:
+    """This process's rows of batches ``start_batch...`` of ``plan``."""
+    global_batch = plan.index.shape[1]
+    if global_batch % process_count:
+      raise ConfigError(
+        f"batch_size {global_batch} is not divisible by {process_count} "
+        "processes."
+      )
+    local = global_batch // process_count
+    lo, hi = process_index * local, (process_index + 1) * local
+    steps = len(plan.index)
+    if not 0 <= start_batch <= steps:
+      raise ConfigError(f"start_batch {start_batch} not in [0, {steps}].")
+    for k in range(start_batch, steps):
+      yield self.batch(
+        plan.index[k, lo:hi], plan.offsets[k, lo:hi], plan.flips[k, lo:hi]
+      )
 
 
 def train_batches(
@@ -128,84 +242,38 @@ def train_batches(
 ) -> Iterator[Batch]:
   """Streams one epoch of augmented, normalised training batches.
 
-  Batch `k` of epoch `e` holds examples `perm[k * B:(k + 1) * B]` with
-  `perm = epoch_permutation(seed, e, N)` and `B = batch_size`,
-  cropped and flipped with randomness drawn from `(seed, e, k)` for
-  the whole global batch. Hence `start_batch=k` yields exactly batches
-  `k, k + 1, ...` of the uninterrupted epoch, and the concatenation of all
-  processes' batches does not depend on `process_count`.
+  Batch ``k`` of epoch ``e`` holds the examples, crops and flips of step
+  ``k`` of ``epoch_plan(seed, e, N, batch_size, augment)``. Hence
+  ``start_batch=k`` yields exactly batches ``k, k + 1, ...`` of the
+  uninterrupted epoch, and the concatenation of all processes' batches does
+  not depend on ``process_count``.
 
   Args:
-    images: uint8 `[N, H, W, 3]`.
-    labels: int `[N]`.
+    images: uint8 ``[N, H, W, 3]``.
+    labels: int ``[N]``.
     seed: the run's seed.
     batch_size: the global batch size.
     mean: per-channel mean of the normalisation.
     std: per-channel standard deviation of the normalisation.
     augment: random crops (pad 4) and flips; else the images as they are.
     epoch: epoch number (seeds the order and the augmentation).
-    start_batch: first batch to yield, in `[0, steps_per_epoch]`.
+    start_batch: first batch to yield, in ``[0, steps_per_epoch]``.
     process_index: this process's index.
-    process_count: number of processes; must divide `batch_size`.
+    process_count: number of processes; must divide ``batch_size``.
 
   Yields:
-    `{"image": float32 [B_local, H, W, 3], "label": int32 [B_local]}` with
-    `B_local = batch_size // process_count`: this process's slice
-    `[process_index * B_local, (process_index + 1) * B_local)` of each global
-    batch.
+    ``{"image": float32 [B_local, H, W, 3], "label": int32 [B_local]}`` with
+    ``B_local = batch_size // process_count``: this process's slice
+    ``[process_index * B_local, (process_index + 1) * B_local)`` of each
+    global batch.
   """
-  global_batch = batch_size
-  if global_batch % process_count:
+  if batch_size % process_count:
     raise ConfigError(
-      f"batch_size {global_batch} is not divisible by {process_count} "
-      "processes."
+      f"batch_size {batch_size} is not divisible by {process_count} processes."
     )
-  local_batch = global_batch // process_count
-  steps = steps_per_epoch(len(images), global_batch)
-  if not 0 <= start_batch <= steps:
-    raise ConfigError(f"start_batch {start_batch} not in [0, {steps}].")
-  perm = epoch_permutation(seed, epoch, len(images))
-  index = perm[: steps * global_batch].reshape(steps, global_batch)
-  lo = process_index * local_batch
-  index = index[start_batch:, lo : lo + local_batch].astype(np.int32)
-  scale, bias = normalization(mean, std)
-  base_seed = tf.random.experimental.stateless_fold_in(
-    tf.constant([seed, 0], tf.int64), epoch
-  )
-  labels_t = tf.constant(labels, tf.int32)
-  image_shape = (local_batch,) + images.shape[1:]
-
-  def gather_images(idx):
-    # Gather in numpy: converting the whole array to a tf.Tensor costs a copy
-    # of the data set (0.5 s for CIFAR10 on a small CPU) every epoch.
-    batch = tf.numpy_function(
-      lambda i: images[i], [idx], tf.uint8, stateful=False
-    )
-    return tf.ensure_shape(batch, image_shape)
-
-  def make_batch(step, idx):
-    seed = tf.random.experimental.stateless_fold_in(base_seed, step)
-    # Crops and flips are drawn for the whole global batch and sliced, so an
-    # example's augmentation does not depend on `process_count`.
-    offsets, flip = _tf_augment_params(seed, global_batch)
-    if not augment:  # The centre crop of the padded image is the image.
-      offsets, flip = tf.fill(tf.shape(offsets), PAD), tf.zeros_like(flip)
-    image = _tf_augment_normalize(
-      gather_images(idx),
-      offsets[lo : lo + local_batch],
-      flip[lo : lo + local_batch],
-      scale,
-      bias,
-    )
-    return {"image": image, "label": tf.gather(labels_t, idx)}
-
-  steps_t = tf.range(start_batch, steps, dtype=tf.int64)
-  ds = tf.data.Dataset.from_tensor_slices((steps_t, index))
-  ds = ds.map(
-    make_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
-  )
-  ds = ds.prefetch(tf.data.AUTOTUNE)
-  yield from ds.as_numpy_iterator()
+  plan = epoch_plan(seed, epoch, len(images), batch_size, augment)
+  batches = HostBatches(images, labels, mean=mean, std=std)
+  yield from batches.epoch(plan, start_batch, process_index, process_count)
 
 
 # ----------------------------------------------------------------------------
@@ -258,7 +326,7 @@ def eval_batches(
     label = np.zeros((local,), np.int32)
     mask = np.zeros((local,), bool)
     if valid:
-      image[:valid] = images[lo:hi] * scale + bias
+      image[:valid] = normalize(images[lo:hi], scale, bias)
       label[:valid] = labels[lo:hi]
       mask[:valid] = True
     yield {"image": image, "label": label, "mask": mask}

@@ -277,9 +277,8 @@ def train(
     augment=s.augment,
     replicated=replicated,
     batch_sharding=batch_sharding,
+    seed=s.seed,
   )
-  if not s.data_on_device:
-    source_args["seed"] = s.seed
   source: batches_lib.BatchSource = source_cls(data, **source_args)
   loss_fn = steps.make_loss_fn(
     model,

@@ -13,11 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
 
 import jaxmp
 from jaxmp import models
-from cifar_train import device_data
 from cifar_train import faults as faults_lib
 from cifar_train import mesh
 from cifar_train.errors import ConfigError
@@ -316,50 +314,6 @@ def make_train_step(
     ), new_metrics
 
   return train_step
-
-
-def make_device_batch(
-  *,
-  batch_size: int,
-  batch_sharding: NamedSharding,
-  augment: bool,
-  mean: Sequence[float],
-  std: Sequence[float],
-) -> Callable[..., tuple[jax.Array, jax.Array]]:
-  """``batch(state, images_u8, labels, perm, batch_index) -> (x, y)``.
-
-  Slices the epoch permutation, gathers the uint8 batch, crops, flips and
-  normalises it on the device. Randomness comes from ``(state.rng, step)``,
-  so a resumed run sees the same batches.
-  """
-
-  def batch(state, images_u8, labels, perm, batch_index):
-    idx = jax.lax.dynamic_slice_in_dim(
-      perm, batch_index * batch_size, batch_size
-    )
-    idx = jax.lax.with_sharding_constraint(idx, batch_sharding)
-    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    x = images_u8[idx]
-    if augment:
-      x = device_data.device_augment(x, key)
-    return device_data.normalize(x, mean, std, jnp.float32), labels[idx]
-
-  return batch
-
-
-def make_device_train_step(train_step: TrainStep, **batch_args) -> TrainStep:
-  """`train_step` over a data set kept on the devices.
-
-  ``step(state, images_u8, labels, perm, batch_index, metrics)`` builds the
-  batch with `make_device_batch` (``batch_args``), then runs ``train_step``.
-  """
-  batch = make_device_batch(**batch_args)
-
-  def step(state, images_u8, labels, perm, batch_index, metrics):
-    x, y = batch(state, images_u8, labels, perm, batch_index)
-    return train_step(state, x, y, metrics)
-
-  return step
 
 
 def make_eval_step(model: models.ResNet, *, compute_dtype: Any):
