@@ -108,19 +108,28 @@ def _unavailable_message(name: str, source: tfds.core.DatasetBuilder) -> str:
 _NO_GCS = tfds.download.DownloadConfig(try_download_gcs=False)
 
 
+def _construct(cls, data_dir, **kwargs) -> tfds.core.DatasetBuilder:
+  """``cls(...)`` reading ArrayRecord; refuses a copy in another format."""
+  try:
+    return cls(data_dir=data_dir, file_format=FORMAT, **kwargs)
+  except ValueError as e:
+    if "File format is already set" not in str(e):
+      raise
+    # tfds read the prepared copy's dataset_info.json: it is TFRecord.
+    found = cls(data_dir=data_dir, **kwargs)
+    stored = getattr(found.info.file_format, "value", found.info.file_format)
+    raise ConfigError(
+      f"{found.name!r} in {str(found.data_dir)!r} is prepared as {stored}, "
+      "which the app does not read; move that directory away (the app then "
+      "prepares ArrayRecord in its place) or choose another "
+      "--config.data_dir"
+    ) from None
+
+
 def _prepare(source: tfds.core.DatasetBuilder, download_config=None):
-  """Prepares ``source`` unless it is; refuses a copy in another format."""
-  if source.is_prepared():
-    stored = source.info.file_format
-    if stored is not None and str(getattr(stored, "value", stored)) != FORMAT:
-      raise ConfigError(
-        f"{source.name!r} in {str(source.data_dir)!r} is prepared as "
-        f"{getattr(stored, 'value', stored)}, which the app does not read; "
-        "move that directory away (the app prepares ArrayRecord in its "
-        "place) or choose another --config.data_dir"
-      )
-    return source
-  source.download_and_prepare(download_config=download_config)
+  """Prepares ``source`` unless it is."""
+  if not source.is_prepared():
+    source.download_and_prepare(download_config=download_config)
   return source
 
 
@@ -148,7 +157,6 @@ def builder(
       the manual dir and there is no network.
   """
   data_dir = data_dir or None
-  kwargs = dict(file_format=FORMAT)
   if name == "image_folder":
     if not data_dir or not all(
       os.path.isdir(os.path.join(data_dir, s)) for s in image_folder.SPLITS
@@ -157,22 +165,22 @@ def builder(
         "dataset='image_folder' needs config.data_dir to be a directory "
         f"with train/<class>/*.png and test/<class>/*.png; got {data_dir!r}"
       )
-    source = image_folder.ImageFolder(
-      data_dir=os.path.join(data_dir, ".tfds"),
+    source = _construct(
+      image_folder.ImageFolder,
+      os.path.join(data_dir, ".tfds"),
       config=image_folder.folder_config(data_dir),
-      **kwargs,
     )
     return _prepare(source, _NO_GCS)
   if name == "synthetic":
-    source = synthetic.JaxmpSynthetic(
-      data_dir=data_dir,
+    source = _construct(
+      synthetic.JaxmpSynthetic,
+      data_dir,
       config=synthetic.synthetic_config(*synthetic_examples),
-      **kwargs,
     )
     # Not on GCS, and probing for it offline retries for minutes.
     return _prepare(source, _NO_GCS)
   if name in _CIFAR_ARCHIVES:
-    source = cifar.BUILDERS[name](data_dir=data_dir, **kwargs)
+    source = _construct(cifar.BUILDERS[name], data_dir)
     if not source.is_prepared() and not os.path.exists(source.manual_archive()):
       if not network_available():
         raise DatasetUnavailableError(_unavailable_message(name, source))

@@ -1,8 +1,9 @@
-"""Tests of cifar_train.device_data: device-resident augmentation (CPU)."""
+"""Tests of cifar_train.device_data: the host's batch, built on device (CPU)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from _helpers import is_valid_crop
 from _helpers import random_data
@@ -13,38 +14,40 @@ MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
 
 
-def test_device_augment():
-  images, _ = random_data(n=32)
-  augment = jax.jit(device_data.device_augment)
-  a = augment(jnp.asarray(images), jax.random.key(0))
-  b = augment(jnp.asarray(images), jax.random.key(0))
-  c = augment(jnp.asarray(images), jax.random.key(1))
-  assert a.shape == images.shape and a.dtype == jnp.uint8
-  np.testing.assert_array_equal(a, b)
-  assert not np.array_equal(a, c)
-  a = np.asarray(a)
-  for out, image in zip(a, images):
-    assert is_valid_crop(out, image)
-  assert not np.array_equal(a, images)  # Some example was moved or flipped.
-
-
-def test_normalize_matches_host_pipeline():
-  images, labels = random_data(n=16)
-  host = next(
-    host_stream.eval_batches(images, labels, batch_size=16, mean=MEAN, std=STD)
+@pytest.mark.parametrize("augment", [True, False])
+def test_device_batch_is_the_host_batch_bit_for_bit(augment):
+  images, labels = random_data(n=100)
+  host = host_stream.HostBatches(images, labels, mean=MEAN, std=STD)
+  resident = jax.device_put(
+    (
+      host_stream.pad(images),
+      labels,
+      host_stream.normalization_table(MEAN, STD),
+    )
   )
-  dev = jax.jit(device_data.normalize, static_argnums=(1, 2, 3))(
-    jnp.asarray(images), MEAN, STD, jnp.float32
+  build = jax.jit(
+    lambda data, plan, k: device_data.device_batch(*data, *(a[k] for a in plan))
   )
-  np.testing.assert_allclose(dev, host["image"], rtol=1e-6, atol=1e-6)
-  half = device_data.normalize(jnp.asarray(images), MEAN, STD, jnp.float16)
-  assert half.dtype == jnp.float16
-
-
-def test_device_epoch_permutation():
-  key = jax.random.key(0)
-  perm = jax.jit(device_data.device_epoch_permutation, static_argnums=2)
-  p0, p1 = perm(key, 0, 50), perm(key, 1, 50)
-  assert sorted(np.asarray(p0).tolist()) == list(range(50))
-  assert not np.array_equal(p0, p1)
-  np.testing.assert_array_equal(p0, perm(key, 0, 50))
+  for epoch in (0, 1):
+    plan = host_stream.epoch_plan(3, epoch, 100, 16, augment)
+    on_device = jax.device_put(tuple(plan))
+    for k, want in enumerate(host.epoch(plan)):
+      x, y = build(resident, on_device, np.int32(k))
+      assert x.dtype == jnp.float32 and x.shape == want["image"].shape
+      np.testing.assert_array_equal(
+        np.asarray(x).view(np.uint32), want["image"].view(np.uint32)
+      )
+      np.testing.assert_array_equal(np.asarray(y), want["label"])
+      if k == 0:  # The crops are pad-4 crops of the examples, or themselves.
+        u8 = np.argmin(
+          np.abs(
+            np.asarray(x)[..., None]
+            - host_stream.normalization_table(MEAN, STD).T[None, None, None]
+          ),
+          axis=-1,
+        ).astype(np.uint8)
+        for out, label in zip(u8, np.asarray(y)):
+          if augment:
+            assert is_valid_crop(out, images[label])
+          else:
+            np.testing.assert_array_equal(out, images[label])

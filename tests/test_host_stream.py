@@ -95,6 +95,50 @@ def test_train_stream_process_slices():
     collect(images, labels, epoch=0, process_count=3)
 
 
+def test_each_process_reads_only_its_rows():
+  # Process 1 of 4 gets a data set in which every example that is not in
+  # its rows of a batch is garbage: its batches must not change.
+  images, labels = random_data()
+  plan = host_stream.epoch_plan(0, 2, 100, 16, augment=True)
+  full = host_stream.HostBatches(images, labels, mean=MEAN, std=STD)
+  for step in range(len(plan.index)):
+    mine = plan.index[step, 4:8]
+    garbage = np.full_like(images, 255)
+    garbage[mine] = images[mine]
+    local = host_stream.HostBatches(garbage, labels, mean=MEAN, std=STD)
+    (got,) = list(local.epoch(plan, step, 1, 4))[:1]
+    want = full.batch(plan.index[step], plan.offsets[step], plan.flips[step])
+    np.testing.assert_array_equal(got["image"], want["image"][4:8])
+    np.testing.assert_array_equal(got["label"], want["label"][4:8])
+
+
+def test_epoch_plan_draws_every_crop_and_flip():
+  plan = host_stream.epoch_plan(0, 0, 5000, 100, augment=True)
+  assert plan.index.shape == (50, 100) and plan.index.dtype == np.int32
+  assert sorted(plan.index.ravel().tolist()) == list(range(5000))
+  # 9 offsets per axis, uniformly: each appears about 5000 * 2 / 9 times.
+  counts = np.bincount(plan.offsets.ravel(), minlength=10)
+  assert counts[9] == 0 and counts[:9].min() > 900, counts
+  assert 2200 < plan.flips.sum() < 2800
+  plain = host_stream.epoch_plan(0, 0, 5000, 100, augment=False)
+  np.testing.assert_array_equal(plain.index, plan.index)
+  assert (plain.offsets == host_stream.PAD).all() and not plain.flips.any()
+
+
+def test_normalization_table_is_normalize_of_every_byte():
+  table = host_stream.normalization_table(MEAN, STD)
+  scale, bias = host_stream.normalization(MEAN, STD)
+  images, _ = random_data(n=4)
+  normalized = host_stream.normalize(images, scale, bias)
+  np.testing.assert_array_equal(
+    table[images, np.arange(3)].view(np.uint32), normalized.view(np.uint32)
+  )
+  # And it is the normalisation it claims, to float32 rounding (|x| < 3,
+  # a few roundings of 2^-24 relative each).
+  exact = (np.arange(256)[:, None] / 255.0 - np.asarray(MEAN)) / np.asarray(STD)
+  np.testing.assert_allclose(table, exact, rtol=0, atol=4 * 3 * 2.0**-24)
+
+
 # -- Evaluation -------------------------------------------------------------
 
 

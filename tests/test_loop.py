@@ -4,17 +4,14 @@ import glob
 import json
 import os
 
-import jax
-import numpy as np
 import pytest
-import tensorflow_datasets as tfds
 
 from _helpers import read_jsonl
+from test_data_sources import no_probe
+from test_data_sources import place_archive
 
 from cifar_train import data_sources
 from cifar_train import loop
-from cifar_train import settings
-from cifar_train import steps
 from cifar_train.errors import ConfigError
 from configs import default
 
@@ -61,35 +58,6 @@ def test_train_and_evaluate_synthetic_writes_everything(
   assert [
     r["step"] for r in read_jsonl(os.path.join(workdir, "steps.jsonl"))
   ] == [1, 2, 3, 4, 5, 6]
-
-
-def test_eval_counts_every_example_once(make_config, data_dir, tiny_data):
-  s = settings.resolve(make_config(data_dir))
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-  sharding = jax.sharding.NamedSharding(
-    mesh, jax.sharding.PartitionSpec("data")
-  )
-  model = steps.create_model(
-    s.model,
-    num_classes=tiny_data.num_classes,
-    num_filters=s.num_filters,
-    precision=s.precision,
-  )
-  optimizer = steps.create_optimizer(s.precision, 0.1, momentum=0.9)
-  state = steps.create_train_state(model, optimizer, (32, 32, 3), seed=0)
-  eval_step = jax.jit(
-    steps.make_eval_step(model, compute_dtype=s.precision.compute_dtype)
-  )
-  result = loop.evaluate(
-    eval_step,
-    state,
-    tiny_data,
-    sharding,
-    batch_size=s.eval_batch_size,
-    mean=s.mean,
-    std=s.std,
-  )
-  assert result["count"] == 100  # 2 batches of 64, 28 padded rows masked.
 
 
 @pytest.mark.invariant
@@ -149,48 +117,6 @@ def test_same_seed_same_state(make_config, data_dir, tiny_data, tmp_path):
   assert a["state_fingerprint"] != c["state_fingerprint"]
 
 
-def _whole_batch_config(make_config, data_dir, **overrides):
-  # One batch is the whole training set and there is no augmentation, so
-  # both data modes feed the same examples, only in another order.
-  return make_config(
-    data_dir,
-    policy="O0",
-    batch_size=256,
-    augment=False,
-    num_epochs=2,
-    num_train_steps=-1,
-    log_every_steps=1,
-    checkpoint_every_steps=0,
-    **overrides,
-  )
-
-
-def test_device_resident_and_host_stream_see_the_same_batches(
-  make_config, data_dir, tiny_data, tmp_path
-):
-  host = loop.train_and_evaluate(
-    _whole_batch_config(make_config, data_dir),
-    str(tmp_path / "host"),
-    data=tiny_data,
-  )
-  dev = loop.train_and_evaluate(
-    _whole_batch_config(make_config, data_dir, data_on_device=True),
-    str(tmp_path / "dev"),
-    data=tiny_data,
-  )
-  a = read_jsonl(os.path.join(tmp_path, "host", "steps.jsonl"))
-  b = read_jsonl(os.path.join(tmp_path, "dev", "steps.jsonl"))
-  assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
-  # Only the summation order differs: fp32 noise of a 256-example mean. A
-  # wrong batch (other examples, shifted labels) moves the loss by > 1e-2.
-  for ra, rb in zip(a, b):
-    pass
-  for ra, rb in zip(a, b):
-    print("DIFF", ra["step"], abs(rb["loss"] - ra["loss"]) / ra["loss"])
-    assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4)
-  assert dev["test_loss"] == pytest.approx(host["test_loss"], rel=1e-3)
-
-
 def test_one_device_and_four_devices_agree(
   make_config, data_dir, tiny_data, tmp_path
 ):
@@ -217,15 +143,21 @@ def test_one_device_and_four_devices_agree(
   assert four["test_loss"] == pytest.approx(one["test_loss"], rel=1e-4)
 
 
-def test_cifar10_under_mock_data(make_config, tmp_path, monkeypatch):
-  # mock_data replaces reading and preparing; there is nothing to download.
-  monkeypatch.setattr(data_sources, "network_available", lambda: True)
+def test_cifar10_from_an_archive_in_the_manual_dir(
+  make_config, tmp_path, monkeypatch
+):
+  # A tiny archive in the official binary format, placed offline: the run
+  # prepares it (ArrayRecord) without probing the network, and trains on it.
+  monkeypatch.setattr(data_sources, "network_available", no_probe)
+  tfds_dir = str(tmp_path / "tfds")
+  place_archive(tfds_dir, "cifar10", n_train=96, n_test=40)
   config = make_config(
-    "", dataset="cifar10", num_train_steps=2, checkpoint_every_steps=0
+    tfds_dir, dataset="cifar10", num_train_steps=2, checkpoint_every_steps=0
   )
-  with tfds.testing.mock_data(num_examples=96):
-    summary = loop.train_and_evaluate(config, str(tmp_path / "run"))
-  assert summary["steps"] == 2 and np.isfinite(summary["test_loss"])
+  summary = loop.train_and_evaluate(config, str(tmp_path / "run"))
+  assert summary["steps"] == 2
+  prepared = os.path.join(tfds_dir, "cifar10", "3.0.2")
+  assert glob.glob(os.path.join(prepared, "cifar10-train.array_record-*"))
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,6 @@
 """Tests of cifar_train.synthetic: the offline synthetic data set (CPU)."""
 
-import io
-
 import numpy as np
-import PIL.Image
 import pytest
 
 from cifar_train import data_sources
@@ -65,7 +62,17 @@ def test_synthetic_sizes_in_config_name():
   assert a != b and "100" in a
 
 
-def test_synthetic_png_roundtrip():
-  image = np.random.default_rng(0).integers(0, 256, (32, 32, 3), np.uint8)
-  decoded = np.asarray(PIL.Image.open(io.BytesIO(synthetic._encode_png(image))))
-  np.testing.assert_array_equal(decoded, image)
+def test_synthetic_is_prepared_to_array_record_with_its_pixels(tfds_dir):
+  source = data_sources.builder(
+    "synthetic", tfds_dir, synthetic_examples=SYNTHETIC_EXAMPLES
+  )
+  assert source.info.file_format.value == "array_record"
+  # The records hold exactly `make_examples`, in the data source's order.
+  images, labels = synthetic.make_examples(120, seed=0, split="train")
+  records = source.as_data_source("train")
+  x, y = data_sources.read_split(source, "train")
+  for i in (0, 7, 119):
+    image = records[i]["image"]
+    (match,) = [j for j in range(120) if np.array_equal(images[j], image)]
+    assert labels[match] == records[i]["label"] == y[i]
+    np.testing.assert_array_equal(x[i], image)
