@@ -4,9 +4,11 @@
 `loop.train_and_evaluate`. The modules, one idea each:
 
 * `settings`: the config, validated and resolved once into `Settings`.
-* `data_sources`: tfds builders (CIFAR, image folders, the synthetic set).
-* `host_stream`: the tf.data training stream and the padded eval batches.
-* `device_data`: the same augmentation for a data set kept on the devices.
+* `data_sources`: tfds builders prepared to ArrayRecord, read into numpy
+  (`cifar`, `image_folder`, `synthetic`; `png` codes their images;
+  ``python -m cifar_train.prepare`` prepares one ahead).
+* `host_stream`: the batch of a step, in numpy, and the padded eval batches.
+* `device_data`: the same batch, built on the devices, bit for bit.
 * `batches`: one batch-source interface over both data modes.
 * `steps`: train state, model and optimizer factories, train and eval steps.
 * `mesh`: devices, processes and global arrays.

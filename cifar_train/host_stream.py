@@ -117,7 +117,8 @@ def normalize(
   The one definition of the normalisation: `normalization_table` is this
   function of every byte value.
   """
-  out = np.multiply(images, scale, dtype=np.float32)
+  out = images.astype(np.float32)  # Exact.
+  out *= scale
   out += bias
   return out
 

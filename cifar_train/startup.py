@@ -72,7 +72,7 @@ def keep_freed_host_memory() -> bool:
 
   Skipped (False) where JAX may run on an accelerator (``JAX_PLATFORMS``
   not "cpu", or a GPU/TPU plugin installed): there the host only feeds
-  data, and one arena would serialise tf.data's threads. Also False where
+  data, and one arena would serialise the host's threads. Also False where
   the C library has no glibc ``mallopt``.
   """
   platforms = os.environ.get("JAX_PLATFORMS", "")

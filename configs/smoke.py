@@ -5,7 +5,7 @@ Run:
     python train.py --config configs/smoke.py --workdir /tmp/smoke
 
 No download: the procedural 10-class 32x32 data set is generated through the
-same tfds/tf.data path as CIFAR10. Takes about a minute on two CPU cores and
+same tfds (ArrayRecord) and numpy path as CIFAR10. Takes about a minute on two CPU cores and
 should reach >= 90% test accuracy, in fp16 (O2) with dynamic loss scaling.
 """
 
