@@ -95,21 +95,32 @@ def test_train_stream_process_slices():
     collect(images, labels, epoch=0, process_count=3)
 
 
-def test_each_process_reads_only_its_rows():
+def test_each_process_reads_only_its_rows(monkeypatch):
   # Process 1 of 4 gets a data set in which every example that is not in
-  # its rows of a batch is garbage: its batches must not change.
+  # its rows of a batch is garbage: its batches must not change, and it
+  # gathers and normalises its 4 rows only, never the global 16.
   images, labels = random_data()
   plan = host_stream.epoch_plan(0, 2, 100, 16, augment=True)
   full = host_stream.HostBatches(images, labels, mean=MEAN, std=STD)
+  normalize = host_stream.normalize
+  rows = []
+
+  def spy(x, *args):
+    rows.append(len(x))
+    return normalize(x, *args)
+
   for step in range(len(plan.index)):
     mine = plan.index[step, 4:8]
     garbage = np.full_like(images, 255)
     garbage[mine] = images[mine]
     local = host_stream.HostBatches(garbage, labels, mean=MEAN, std=STD)
-    (got,) = list(local.epoch(plan, step, 1, 4))[:1]
+    with monkeypatch.context() as m:
+      m.setattr(host_stream, "normalize", spy)
+      got = next(local.epoch(plan, step, 1, 4))
     want = full.batch(plan.index[step], plan.offsets[step], plan.flips[step])
     np.testing.assert_array_equal(got["image"], want["image"][4:8])
     np.testing.assert_array_equal(got["label"], want["label"][4:8])
+  assert rows == [4] * len(plan.index)
 
 
 def test_epoch_plan_draws_every_crop_and_flip():
