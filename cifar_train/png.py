@@ -95,6 +95,60 @@ def _decode_unfiltered(data: bytes):
   return np.repeat(pixels, 3, axis=2) if channels == 1 else pixels
 
 
+def _stored_layout(data: bytes):
+  """``(offset, height, width)`` of the pixel rows of one of our PNGs.
+
+  For a PNG as `encode` writes it with one stored deflate block (rows of up
+  to 64 KiB: 32x32 CIFAR images have 3,104 bytes), the filter bytes and
+  pixels sit at a fixed offset; None for any other PNG.
+  """
+  header = struct.pack(">I", 13) + b"IHDR"
+  if data[8:16] != header or data[37:41] != b"IDAT":
+    return None
+  width, height, depth, colour, _, _, interlace = struct.unpack_from(
+    ">IIBBBBB", data, 16
+  )
+  size = height * (1 + 3 * width)
+  offset = 8 + 25 + 8 + 2 + 5  # Signature, IHDR, IDAT head, zlib, block.
+  if (depth, colour, interlace) != (8, 2, 0) or size > 0xFFFF:
+    return None
+  block = struct.pack("<BHH", 1, size, size ^ 0xFFFF)
+  if data[41] != 0x78 or data[43:48] != block:
+    return None
+  if len(data) != offset + size + 4 + 4 + 12:  # adler32, CRC, IEND.
+    return None
+  return offset, height, width
+
+
+def decode_many(images: list[bytes]) -> list[np.ndarray] | np.ndarray:
+  """`decode` of every file; one numpy gather when they share one layout.
+
+  When all are PNGs written by `encode` at one size (CIFAR and the synthetic
+  set: every record the same length, header and deflate framing), their
+  pixels are read with one reshape of the concatenated bytes (~0.1 s for
+  60,000 32x32 images instead of ~1.5 s one by one); otherwise each file
+  goes through `decode`.
+
+  Returns:
+    uint8 ``[N, H, W, 3]``, or a list of ``[H, W, 3]`` arrays.
+  """
+  if not images:
+    return []
+  first = images[0]
+  layout = _stored_layout(first)
+  if layout is None or any(len(x) != len(first) for x in images):
+    return [decode(x) for x in images]
+  offset, height, width = layout
+  rows = np.frombuffer(b"".join(images), np.uint8).reshape(len(images), -1)
+  stride = 1 + 3 * width
+  same_head = (rows[:, :offset] == rows[0, :offset]).all()
+  body = rows[:, offset : offset + height * stride]
+  body = body.reshape(len(images), height, stride)
+  if not same_head or body[:, :, 0].any():
+    return [decode(x) for x in images]
+  return body[:, :, 1:].reshape(len(images), height, width, 3)
+
+
 def decode(data: bytes) -> np.ndarray:
   """An image file's pixels as uint8 ``[H, W, 3]`` RGB.
 

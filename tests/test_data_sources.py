@@ -332,3 +332,25 @@ def test_png_reader_takes_the_fast_path_and_falls_back_to_pil():
       PIL.Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
     )
     np.testing.assert_array_equal(png.decode(buffer.getvalue()), expected)
+
+
+def test_png_batch_reader_equals_one_by_one():
+  from cifar_train import png  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, (6, 32, 32, 3), np.uint8)
+  stored = [png.encode(x) for x in images]
+  together = png.decode_many(stored)
+  assert isinstance(together, np.ndarray)  # The one-gather path.
+  np.testing.assert_array_equal(together, images)
+  # One file of another kind: every file is decoded on its own, correctly.
+  buffer = io.BytesIO()
+  PIL.Image.fromarray(images[2]).save(buffer, format="PNG")
+  mixed = png.decode_many(stored[:2] + [buffer.getvalue()] + stored[3:])
+  assert isinstance(mixed, list)
+  np.testing.assert_array_equal(np.stack(mixed), images)
+  # Images of two sizes: each decoded on its own.
+  small = rng.integers(0, 256, (16, 16, 3), np.uint8)
+  sizes = png.decode_many(stored[:2] + [png.encode(small)])
+  assert isinstance(sizes, list)
+  np.testing.assert_array_equal(sizes[2], small)
