@@ -24,9 +24,10 @@ room). Every entry is compiled and warmed up first (not timed); then timed
 windows of a fixed number of steps (about 0.4 s each) go round-robin over all
 entries, so the ratios are measured side by side. Reported: median img/s over
 the windows. A time guard skips entries (then windows) rather than overrun
-``--budget_s`` (default 400 s). Last, if time is left and TensorFlow is
-installed, a short timed run of ``train.py --config configs/default.py`` on
-the synthetic data set (needs tensorflow; otherwise "skipped").
+``--budget_s`` (default 400 s). Last, if time is left and the app's data
+packages are installed, a short timed run of ``train.py --config
+configs/default.py`` on the synthetic data set (needs tensorflow_datasets and
+array_record, not TensorFlow; otherwise "skipped").
 
 Headlines (img/s ratios, > 1 means the first is faster), at batch 512:
 ``jax_o2_over_torch_amp_cl``, ``jax_o2_over_jax_fp32`` (fp32 = O0 with
@@ -237,10 +238,9 @@ def torch_maker(amp: bool, compile_: bool, filters: int):
 
 def train_run(smoke: bool, timeout_s: float) -> str:
   """Runs ``train.py --config configs/default.py`` on synthetic data briefly."""
-  if importlib.util.find_spec("tensorflow") is None:
-    return "skipped: tensorflow not installed"
-  if importlib.util.find_spec("tensorflow_datasets") is None:
-    return "skipped: tensorflow_datasets not installed"
+  for package in ("tensorflow_datasets", "array_record", "orbax"):
+    if importlib.util.find_spec(package) is None:
+      return f"skipped: {package} not installed"
   if timeout_s < 30:
     return "skipped: time guard"
   steps = 4 if smoke else 300
