@@ -163,7 +163,7 @@ def builder(
     ):
       raise ConfigError(
         "dataset='image_folder' needs config.data_dir to be a directory "
-        f"with train/<class>/*.png and test/<class>/*.png; got {data_dir!r}"
+        f"with train/<class>/<images> and test/<class>/<images>; got {data_dir!r}"
       )
     source = _construct(
       image_folder.ImageFolder,
