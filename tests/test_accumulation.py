@@ -194,7 +194,7 @@ class TestFp32Mean:
     assert np.all(err <= bound), (err / np.abs(want)).max()
 
 
-@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (forced) devices")
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("reduce", [True, False])
 def test_shard_map_microbatch_flag_is_global(reduce):
   # Under shard_map (default check_vma), with gradients that are and are not

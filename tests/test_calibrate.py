@@ -133,7 +133,7 @@ def test_bad_arguments(kwargs, match):
     jaxmp.calibrate_loss_scale(_loss_fn, params, x, y, **kwargs)
 
 
-@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 CPU devices")
+@pytest.mark.devices(4)
 def test_batch_sharded_over_4_devices():
   mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
   params, (x, y) = _params(), _batch(3e2, n=16)

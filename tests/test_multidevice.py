@@ -17,9 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxmp
 
-pytestmark = pytest.mark.skipif(
-  jax.device_count() < 4, reason="needs 4 (forced) CPU devices"
-)
+pytestmark = pytest.mark.devices(4)
 
 
 def _mesh():
