@@ -14,6 +14,7 @@ import contextlib
 import io
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -165,7 +166,7 @@ def test_output_convention_spans_lines_and_checks_every_statement():
   assert not output_matches(["0", "1"], ["0", "1", "2"])  # A line too many.
 
 
-def test_readme_starts_with_install_and_test_commands():
+def test_readme_starts_with_install_and_test_commands(tmp_path):
   with open(README) as f:
     first_block = re.search(r"```bash\n(.*?)```", f.read(), re.S).group(1)
   lines = first_block.strip().splitlines()
@@ -176,5 +177,36 @@ def test_readme_starts_with_install_and_test_commands():
   )
   assert lines[1] == test_command
   assert lines[2].startswith("pip install .")
+  # CI runs it through bench/test_time.sh, which reads it from the README:
+  # run that with a `python` that only says how it was called.
   with open(os.path.join(ROOT, ".ci", "run")) as f:
-    assert test_command in f.read()
+    assert "\nbash bench/test_time.sh\n" in f.read()
+  fake = tmp_path / "python"
+  fake.write_text(
+    '#!/bin/sh\necho "python $* default=$JAXMP_DEFAULT_XLA_FLAGS '
+    'cache=${JAX_COMPILATION_CACHE_DIR:-none} addopts=$PYTEST_ADDOPTS"\n'
+  )
+  fake.chmod(0o755)
+  env = dict(
+    os.environ,
+    PATH=f"{tmp_path}:{os.environ['PATH']}",
+    JAX_COMPILATION_CACHE_DIR="/a/warm/cache",
+    PYTEST_ADDOPTS="",
+  )
+  env.pop("JAXMP_DEFAULT_XLA_FLAGS", None)
+  out = subprocess.run(
+    ["bash", os.path.join(ROOT, "bench", "test_time.sh")],
+    env=env,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.splitlines()
+  calls = [l for l in out if l.startswith("python ")]
+  assert calls == [
+    "python -m pytest -q -n 2 -m not invariant default= cache=none "
+    "addopts=--durations=15 ",
+    "python -m pytest -q -n 2 -m invariant default=1 cache=none "
+    "addopts=--durations=15 ",
+  ]
+  halves = [l for l in out if l.startswith("test_time: half")]
+  assert [h.split(": ", 3)[-1] for h in halves] == test_command.split(" && ")
