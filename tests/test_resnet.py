@@ -91,15 +91,17 @@ def _rel_err(a, b):
   return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)
 
 
-def _float64_step(variables, x, labels, loss_scale=1.0, **kwargs):
-  """`_train_step_fn`'s outputs in float64, flax's BatchNorm and convs."""
+def _float64_step(
+  variables, x, labels, loss_scale=1.0, fused_norm=False, cpu_convs=False, **kw
+):
+  """`_train_step_fn`'s outputs in float64 (default: flax's BatchNorm, convs)."""
   kwargs = dict(
-    kwargs,
+    kw,
     dtype=np.float64,
     param_dtype=np.float64,
     norm_dtype=np.float64,
-    fused_norm=False,
-    cpu_convs=False,
+    fused_norm=fused_norm,
+    cpu_convs=cpu_convs,
   )
   with jax.enable_x64(True):
     v64 = jax.tree.map(lambda a: np.asarray(a, np.float64), variables)
@@ -117,7 +119,7 @@ def _errors(out, ref):
   }
 
 
-def _assert_as_accurate(ours, theirs, ref, unit_roundoff):
+def _assert_as_accurate(ours, theirs, ref, unit_roundoff, ours_unit=None):
   """``ours`` is within 16 times ``theirs``' rounding error of float64.
 
   Rounding error is the unit roundoff u times the computation's
@@ -127,12 +129,16 @@ def _assert_as_accurate(ours, theirs, ref, unit_roundoff):
   tensors of a kind, over u, at least 1. Another summation order (AVX2 or
   AVX-512) draws from the same distribution: 16 times the worst is a wide
   margin, and a wrong tensor (a transposed kernel, a missing term: errors of
-  order 1) is far outside it.
+  order 1) is far outside it. With ``ours_unit`` (``ours`` in another dtype,
+  float64), the same amplification times that unit roundoff, with a margin
+  of 64: both sides round there.
   """
   e_ours, e_theirs = _errors(ours, ref), _errors(theirs, ref)
   for kind, errs in e_ours.items():
     amplification = max(max(e_theirs[kind]) / unit_roundoff, 1.0)
     tol = 16 * amplification * unit_roundoff
+    if ours_unit is not None:
+      tol = 64 * amplification * ours_unit
     for i, e in enumerate(errs):
       assert e < tol, (kind, i, e, tol)
 
@@ -280,6 +286,11 @@ class ResNetTest(parameterized.TestCase):
     ref = _float64_step(variables, x, labels, 1024.0, **kwargs)
     u = 2.0**-11 if kwargs.get("dtype") == f16 else 2.0**-24
     _assert_as_accurate(out_f, out_p, ref, u)
+    if u == 2.0**-24:  # The fused math in float64 too: a far finer check.
+      fused64 = _float64_step(
+        variables, x, labels, 1024.0, fused_norm=True, cpu_convs=True, **kwargs
+      )
+      _assert_as_accurate(fused64, out_p, ref, u, ours_unit=2.0**-53)
 
   def test_unbiased_running_var(self):
     self.assertTrue(resnet.resnet18_torchvision().unbiased_running_var)

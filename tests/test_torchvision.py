@@ -391,7 +391,11 @@ def test_golden_file_holds_what_the_tests_read():
       assert all(v.dtype == dtype for v in grads.values())
       for kind in ("eval_logits", "train_logits"):
         assert g[f"{arch}/{dtype}/{kind}"].shape == (4, CLASSES)
-      assert 0.0 < _tolerance(arch, "grad")[dtype] < 1e3 * U[dtype] ** 0.75
+    # The derived tolerances still see a 0.1% error in float32, 1e-11 in
+    # float64: the golden float32 values are not far off float64.
+    for kind in ("eval_logits", "train_logits", "stats", "grad"):
+      tol = _tolerance(arch, kind)
+      assert 0.0 < tol["float32"] < 1e-3 and 0.0 < tol["float64"] < 1e-11
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
