@@ -109,6 +109,8 @@ def test_nnx_optimizer_scales_and_steps_in_fp32():
   for got, want in zip(
     jax.tree.leaves(_nnx_masters(opt)), jax.tree.leaves(expected), strict=True
   ):
+    # One fp32 step m - 0.1 * g, rounded twice (or once, fused): within 2 ulp
+    # (2 * 2^-23 relative, under 1e-6) of each other; atol for values near 0.
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
   assert _stats(opt.opt_state)["loss_scale"] == 16.0
   _nnx_step(model, opt, x, y)  # The second finite step of period 2: growth.
@@ -213,6 +215,8 @@ def test_equinox_scales_and_steps_in_fp32():
     jax.tree.leaves(expected),
     strict=True,
   ):
+    # One fp32 step m - 0.1 * g, rounded twice (or once, fused): within 2 ulp
+    # (2 * 2^-23 relative, under 1e-6) of each other; atol for values near 0.
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
   model, state = _eqx_step(model, state, opt, x, y)
   stats = _stats(state)
