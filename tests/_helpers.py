@@ -410,13 +410,6 @@ def run_distributed(
   return outputs
 
 
-if __name__ == "__main__":
-  if sys.argv[1] == "--distributed":
-    distributed_main(sys.argv[2], int(sys.argv[3]))
-  else:
-    main(sys.argv[1])
-
-
 def tiny_mlp_params(dtype="float16"):
   """A 4-8-3 two-layer MLP's params (``dense1``, ``dense2``), seeded."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -433,3 +426,31 @@ def tiny_mlp_params(dtype="float16"):
       "bias": jnp.zeros(3, dtype),
     },
   }
+
+
+def dynamic_loss_scale(
+  scale: float, *, period: int, factor: int, min_loss_scale: float
+):
+  """``jmp.DynamicLossScale`` with every setting spelled out (float32).
+
+  Args:
+    scale: The initial loss scale.
+    period: Finite steps before the scale grows by ``factor``.
+    factor: The growth and back-off factor.
+    min_loss_scale: The scale never goes below this.
+  """
+  import jmp  # pylint: disable=g-import-not-at-top
+
+  return jmp.DynamicLossScale(
+    np.float32(scale),
+    period=period,
+    factor=factor,
+    min_loss_scale=np.float32(min_loss_scale),
+  )
+
+
+if __name__ == "__main__":
+  if sys.argv[1] == "--distributed":
+    distributed_main(sys.argv[2], int(sys.argv[3]))
+  else:
+    main(sys.argv[1])

@@ -6,6 +6,7 @@ claims) that way once, so that each claim holds for the code users run.
 """
 
 import os
+import shutil
 import sys
 import tempfile
 
@@ -20,28 +21,75 @@ from _helpers import load_tiny_data  # pylint: disable=g-import-not-at-top,wrong
 from _helpers import tiny_config  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 DEFAULT_FLAGS = os.environ.get("JAXMP_DEFAULT_XLA_FLAGS") == "1"
+NUM_DEVICES = 4
 
-# Must happen before jax is imported anywhere in the test process.
-os.environ.setdefault(
-  "XLA_FLAGS",
-  "--xla_force_host_platform_device_count=4"
-  + ("" if DEFAULT_FLAGS else " " + FAST_COMPILE),
+
+def compose_xla_flags(existing: str, default_flags: bool) -> str:
+  """``existing`` XLA flags with this suite's appended (XLA: the last wins).
+
+  The suite's are 4 forced host devices and, unless ``default_flags``, the
+  fast-compile flags; with ``default_flags`` any fast-compile flag already in
+  ``existing`` is dropped, so the exactness claims run under XLA's defaults.
+  Flags already there verbatim are not repeated (pytest-xdist's workers
+  inherit the controller's variable).
+  """
+  fast = FAST_COMPILE.split()
+  flags = [f for f in existing.split() if not (default_flags and f in fast)]
+  ours = [f"--xla_force_host_platform_device_count={NUM_DEVICES}"]
+  ours += [] if default_flags else fast
+  if flags[-len(ours) :] != ours:
+    flags += ours
+  return " ".join(flags)
+
+
+# Must happen before jax starts a backend in the test process.
+os.environ["XLA_FLAGS"] = compose_xla_flags(
+  os.environ.get("XLA_FLAGS", ""), DEFAULT_FLAGS
 )
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Identical programs (the same tiny ResNet in several end-to-end tests) are
-# compiled once per test session.
-os.environ.setdefault(
-  "JAX_COMPILATION_CACHE_DIR",
-  os.path.join(
-    tempfile.gettempdir(),
-    "jaxmp-test-jit-cache" + ("-default" if DEFAULT_FLAGS else ""),
-  ),
-)
+# JAX's persistent compilation cache, new for each run (`pytest` command):
+# identical programs (the same tiny ResNet in several end-to-end tests, in
+# pytest-xdist's workers and in the app's child processes, which all inherit
+# the variable) compile once per run, and every run starts cold, as on a new
+# machine, so that its time is honest. The process that made it deletes it.
+# A JAX_COMPILATION_CACHE_DIR set by the caller is kept.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+    prefix="jaxmp-test-jit-cache-"
+  )
+  os.environ["JAXMP_TEST_CACHE_OWNER"] = str(os.getpid())
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def pytest_unconfigure(config):
+  del config
+  if os.environ.get("JAXMP_TEST_CACHE_OWNER") == str(os.getpid()):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def pytest_runtest_setup(item):
+  """Fails a ``devices(n)`` test, with the reason, when jax has fewer."""
+  marker = item.get_closest_marker("devices")
+  if marker is None:
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+
+  need, have = marker.args[0], jax.device_count()
+  if have < need:
+    pytest.fail(
+      f"{item.nodeid} needs {need} devices and jax has {have} "
+      f"({jax.default_backend()}). tests/conftest.py forces {NUM_DEVICES} CPU "
+      "devices by appending --xla_force_host_platform_device_count to "
+      "XLA_FLAGS before jax starts a backend; here JAX_PLATFORMS="
+      f"{os.environ.get('JAX_PLATFORMS')!r}, XLA_FLAGS="
+      f"{os.environ.get('XLA_FLAGS')!r} (or jax's backend started first, in "
+      "a plugin or before pytest).",
+      pytrace=False,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -5,16 +5,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import jmp
 import numpy as np
 import optax
 import pytest
 
+from _helpers import dynamic_loss_scale
 import jaxmp
-
-
-def _dynamic(scale):
-  return jmp.DynamicLossScale(np.float32(scale), period=5, factor=2)
 
 
 def _run_windows(wrapper, values, k, stats0=0.0):
@@ -29,7 +25,13 @@ def _run_windows(wrapper, values, k, stats0=0.0):
     microbatch, final state).
   """
   opt = wrapper(
-    jaxmp.mixed_precision(optax.sgd(1.0), loss_scale=_dynamic(8.0)), k
+    jaxmp.mixed_precision(
+      optax.sgd(1.0),
+      loss_scale=dynamic_loss_scale(
+        8.0, period=5, factor=2, min_loss_scale=1.0
+      ),
+    ),
+    k,
   )
   params = {"w": jnp.ones(2, jnp.float16)}
   state = opt.init(params)
@@ -68,7 +70,13 @@ class TestWindows:
     # Pins optax's flaw that jaxmp.multi_steps fixes: 0 * inf keeps the
     # accumulator NaN, so the finite second window is skipped too.
     opt = optax.MultiSteps(
-      jaxmp.mixed_precision(optax.sgd(1.0), loss_scale=_dynamic(8.0)), 3
+      jaxmp.mixed_precision(
+        optax.sgd(1.0),
+        loss_scale=dynamic_loss_scale(
+          8.0, period=5, factor=2, min_loss_scale=1.0
+        ),
+      ),
+      3,
     )
     params = {"w": jnp.ones(2, jnp.float16)}
     state = opt.init(params)
@@ -103,7 +111,13 @@ class TestWindows:
 
   def test_accessors_see_through_the_state(self):
     opt = jaxmp.multi_steps(
-      jaxmp.mixed_precision(optax.sgd(1.0), loss_scale=_dynamic(16.0)), 2
+      jaxmp.mixed_precision(
+        optax.sgd(1.0),
+        loss_scale=dynamic_loss_scale(
+          16.0, period=5, factor=2, min_loss_scale=1.0
+        ),
+      ),
+      2,
     )
     params = {"w": jnp.ones(2, jnp.float16)}
     state = jax.jit(lambda s: s)(opt.init(params))
@@ -171,7 +185,12 @@ class TestFp32Mean:
   def test_window_mean_reaches_the_optimizer_in_fp32(self, use_grad_mean):
     k, n, scale = 4, 256, 2.0**10
     opt = jaxmp.multi_steps(
-      jaxmp.mixed_precision(_capture(), loss_scale=_dynamic(scale)),
+      jaxmp.mixed_precision(
+        _capture(),
+        loss_scale=dynamic_loss_scale(
+          scale, period=5, factor=2, min_loss_scale=1.0
+        ),
+      ),
       k,
       use_grad_mean=use_grad_mean,
     )
@@ -194,7 +213,7 @@ class TestFp32Mean:
     assert np.all(err <= bound), (err / np.abs(want)).max()
 
 
-@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (forced) devices")
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("reduce", [True, False])
 def test_shard_map_microbatch_flag_is_global(reduce):
   # Under shard_map (default check_vma), with gradients that are and are not
@@ -202,7 +221,9 @@ def test_shard_map_microbatch_flag_is_global(reduce):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
   P = jax.sharding.PartitionSpec
   mp = jaxmp.mixed_precision(
-    optax.sgd(1.0), loss_scale=_dynamic(8.0), axis_name="data"
+    optax.sgd(1.0),
+    loss_scale=dynamic_loss_scale(8.0, period=5, factor=2, min_loss_scale=1.0),
+    axis_name="data",
   )
   opt = jaxmp.multi_steps(mp, 2, axis_name="data")
   params = {"w": jnp.ones(2, jnp.float16)}

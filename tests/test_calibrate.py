@@ -113,9 +113,17 @@ def test_nan_data_and_hopeless_models_are_clear_errors():
   params, (x, y) = _params(), _batch(1.0)
   with pytest.raises(ValueError, match="loss itself is NaN/inf"):
     jaxmp.calibrate_loss_scale(_loss_fn, params, x.at[0, 0].set(jnp.nan), y)
-  big = _batch(1e6)  # fp16 activations overflow at any scale
-  with pytest.raises(ValueError, match="loss itself|smallest probed"):
+  big = _batch(1e6)  # fp16 activations overflow: the loss is inf.
+  with pytest.raises(ValueError, match="loss itself is NaN/inf"):
     jaxmp.calibrate_loss_scale(_loss_fn, params, *big)
+  # A finite loss whose fp16 gradient (1e5 * scale) overflows at every scale.
+  hopeless = lambda p, x, y: jnp.sum(p["w"].astype(jnp.float32) * 1e5)
+  with pytest.raises(
+    ValueError,
+    match=r"non-finite even at the smallest probed loss scale 1: the model "
+    r"itself overflows",
+  ):
+    jaxmp.calibrate_loss_scale(hopeless, {"w": jnp.ones(3, jnp.float16)}, x, y)
 
 
 @pytest.mark.parametrize(
@@ -133,7 +141,7 @@ def test_bad_arguments(kwargs, match):
     jaxmp.calibrate_loss_scale(_loss_fn, params, x, y, **kwargs)
 
 
-@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 CPU devices")
+@pytest.mark.devices(4)
 def test_batch_sharded_over_4_devices():
   mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
   params, (x, y) = _params(), _batch(3e2, n=16)

@@ -217,6 +217,7 @@ def _mesh():
   return Mesh(np.array(jax.devices()[:4]), ("data",))
 
 
+@pytest.mark.devices(4)
 class TestShardMap:
   def test_report_from_shard_map_state(self):
     # The NaN is injected on device 2 only, before the gradients are
@@ -343,6 +344,7 @@ class TestNonFiniteLoss:
     opt.update(grads, opt.init(params), params, loss=1.0, other=2)
     assert seen == [["other"]]
 
+  @pytest.mark.devices(4)
   def test_nan_data_on_one_device_under_shard_map(self):
     mesh = _mesh()
     opt = _opt(axis_name="data", diagnostics=True)

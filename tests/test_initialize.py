@@ -154,25 +154,21 @@ class TestInitialize:
     inner = optax.sgd(0.1, momentum=0.9)
     params, opt = jaxmp.initialize(variables["params"], inner, name)
 
-    # By hand: Apex's rules spelled out.
-    def by_hand(path, x):
-      bn = path[0].key.startswith("BatchNorm")
-      keep = preset.keep_batchnorm_fp32 and bn
-      return x.astype(jnp.float32 if keep else preset.policy.param_dtype)
-
-    hand_params = jax.tree_util.tree_map_with_path(by_hand, variables["params"])
-    scale = (
-      jmp.StaticLossScale(np.float32(1.0))
-      if name == "O3"
-      else jmp.DynamicLossScale(np.float32(2.0**15))
-    )
-    hand_opt = jaxmp.mixed_precision(
-      inner, loss_scale=scale, master_weights=name == "O2"
-    )
-
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((6, 4, 5)), compute)
     y = jnp.asarray(rng.integers(0, 3, (6, 4)))
+
+    def loss_of(p, stats, x, y):
+      logits, new = model.apply(
+        {"params": p, "batch_stats": stats},
+        x,
+        train=True,
+        mutable=["batch_stats"],
+      )
+      loss = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), y
+      ).mean()
+      return loss, new["batch_stats"]
 
     def run(opt, params):
       state = {"p": params, "s": variables["batch_stats"]}
@@ -181,16 +177,8 @@ class TestInitialize:
       @jax.jit
       def step(state, x, y):
         def loss_fn(p):
-          logits, new = model.apply(
-            {"params": p, "batch_stats": state["s"]},
-            x,
-            train=True,
-            mutable=["batch_stats"],
-          )
-          loss = optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), y
-          ).mean()
-          return jaxmp.scale_loss(loss, state["o"]), new["batch_stats"]
+          loss, stats = loss_of(p, state["s"], x, y)
+          return jaxmp.scale_loss(loss, state["o"]), stats
 
         grads, stats = jax.grad(loss_fn, has_aux=True)(state["p"])
         updates, o = opt.update(grads, state["o"], state["p"])
@@ -205,14 +193,95 @@ class TestInitialize:
         state = step(state, x[t], y[t])
       return state
 
-    got, want = run(opt, params), run(hand_opt, hand_params)
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      assert a.dtype == b.dtype
-      np.testing.assert_array_equal(
-        np.asarray(a).view(f"u{a.dtype.itemsize}"),
-        np.asarray(b).view(f"u{b.dtype.itemsize}"),
+    # By hand, plain optax: Apex's rules spelled out. Params cast (BatchNorm
+    # kept fp32 where the preset says so), fp32 masters of the fp16 params
+    # under O2, the loss times the scale, gradients to fp32 times 1/scale
+    # (exact: a power of two), a step skipped (params, masters, momentum and
+    # BatchNorm statistics kept) when a gradient is inf/NaN. Dynamic scales
+    # start at 2^15 and halve on an overflow; they grow after 2000 finite
+    # steps (Apex's and jmp's period), not within these 6.
+    def by_hand(path, x):
+      bn = path[0].key.startswith("BatchNorm")
+      keep = preset.keep_batchnorm_fp32 and bn
+      return x.astype(jnp.float32 if keep else preset.policy.param_dtype)
+
+    dynamic = name != "O3"
+    if dynamic:
+      assert preset.loss_scale.period == 2000
+    hand_params = jax.tree_util.tree_map_with_path(by_hand, variables["params"])
+    with_masters = name == "O2"
+    hand_masters = jax.tree.map(
+      lambda p: p.astype(jnp.float32) if with_masters else None, hand_params
+    )
+    fp32_view = lambda p, m: p.astype(jnp.float32) if m is None else m
+
+    @jax.jit
+    def hand_step(h, x, y):
+      def scaled_loss(p):
+        loss, stats = loss_of(p, h["s"], x, y)
+        return loss * h["scale"], stats
+
+      grads, stats = jax.grad(scaled_loss, has_aux=True)(h["p"])
+      finite = jnp.all(
+        jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
       )
+      grads = jax.tree.map(
+        lambda g: g.astype(jnp.float32) * (1.0 / h["scale"]), grads
+      )
+      full = jax.tree.map(fp32_view, h["p"], h["m"])
+      updates, inner_state = inner.update(grads, h["o"], full)
+      new_full = jax.tree.map(lambda f, u: f + u, full, updates)
+      keep = lambda new, old: jnp.where(finite, new, old)
+      return {
+        "p": jax.tree.map(
+          lambda p, f: keep(f.astype(p.dtype), p), h["p"], new_full
+        ),
+        "m": jax.tree.map(
+          lambda m, f: None if m is None else keep(f, m),
+          h["m"],
+          new_full,
+          is_leaf=lambda m: m is None,
+        ),
+        "o": jax.tree.map(keep, inner_state, h["o"]),
+        "s": jax.tree.map(keep, stats, h["s"]),
+        "scale": h["scale"]
+        if not dynamic
+        else jnp.where(finite, h["scale"], jnp.maximum(h["scale"] / 2, 1.0)),
+        "skipped": h["skipped"] + (~finite).astype(jnp.int32),
+      }
+
+    hand = {
+      "p": hand_params,
+      "m": hand_masters,
+      "o": inner.init(jax.tree.map(fp32_view, hand_params, hand_masters)),
+      "s": variables["batch_stats"],
+      "scale": jnp.float32(2.0**15 if dynamic else 1.0),
+      "skipped": jnp.int32(0),
+    }
+    for t in range(len(x)):
+      hand = hand_step(hand, x[t], y[t])
+
+    got = run(opt, params)
+    state = jaxmp.find_state(got["o"])
+    pairs = [
+      (got["p"], hand["p"]),
+      (got["s"], hand["s"]),
+      (state.inner_state, hand["o"]),
+      (
+        jaxmp.master_params(got["o"], got["p"]),
+        jax.tree.map(fp32_view, hand["p"], hand["m"]),
+      ),
+      (state.loss_scale, hand["scale"]),
+      (state.skipped_steps, hand["skipped"]),
+    ]
+    for a_tree, b_tree in pairs:
+      assert jax.tree.structure(a_tree) == jax.tree.structure(b_tree)
+      for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(
+          np.asarray(a).view(f"u{a.dtype.itemsize}"),
+          np.asarray(b).view(f"u{b.dtype.itemsize}"),
+        )
     # The run did train: the params moved.
     moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), got["p"], params)
     assert all(jax.tree.leaves(moved))

@@ -1,5 +1,7 @@
 """Tests of `jaxmp.mixed_precision`: scale rule, skips, masters, jit trips."""
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -9,16 +11,8 @@ import numpy as np
 import optax
 import pytest
 
+from _helpers import dynamic_loss_scale
 import jaxmp
-
-
-def _dynamic(scale=2.0**10, period=5, factor=2, floor=1.0):
-  return jmp.DynamicLossScale(
-    np.float32(scale),
-    period=period,
-    factor=factor,
-    min_loss_scale=np.float32(floor),
-  )
 
 
 def _scale_trajectory(pattern, **kwargs):
@@ -62,7 +56,11 @@ def _grad_scaler_rule(pattern, init, growth_interval, factor):
 class TestLossScaleRule:
   def test_growth_closed_form_over_150_steps(self):
     used, finite, state = _scale_trajectory(
-      [False] * 150, loss_scale=_dynamic(1.0, period=7), max_loss_scale=None
+      [False] * 150,
+      loss_scale=dynamic_loss_scale(
+        1.0, period=7, factor=2, min_loss_scale=1.0
+      ),
+      max_loss_scale=None,
     )
     assert all(finite)
     expected = [2.0 ** (t // 7) for t in range(150)]
@@ -74,7 +72,9 @@ class TestLossScaleRule:
     pattern = list(rng.random(300) < 0.15)
     used, finite, _ = _scale_trajectory(
       pattern,
-      loss_scale=_dynamic(2.0**16, period=4, floor=2.0**-60),
+      loss_scale=dynamic_loss_scale(
+        2.0**16, period=4, factor=2, min_loss_scale=2.0 ** (-60)
+      ),
       max_loss_scale=None,
     )
     assert finite == [not b for b in pattern]
@@ -82,7 +82,10 @@ class TestLossScaleRule:
 
   def test_floor_holds(self):
     used, _, state = _scale_trajectory(
-      [True] * 20, loss_scale=_dynamic(2.0**5, floor=4.0)
+      [True] * 20,
+      loss_scale=dynamic_loss_scale(
+        2.0**5, period=5, factor=2, min_loss_scale=4.0
+      ),
     )
     assert used[:4] == [32.0, 16.0, 8.0, 4.0]
     assert set(used[3:]) == {4.0}
@@ -93,29 +96,47 @@ class TestLossScaleRule:
   def test_cap_holds_and_never_inf(self):
     _, _, state = _scale_trajectory(
       [False] * 40,
-      loss_scale=_dynamic(2.0**20, period=1),
+      loss_scale=dynamic_loss_scale(
+        2.0**20, period=1, factor=2, min_loss_scale=1.0
+      ),
       max_loss_scale=2.0**24,
     )
     assert float(state.loss_scale) == 2.0**24
     _, _, state = _scale_trajectory(
-      [False] * 40, loss_scale=_dynamic(2.0**120, period=1), max_loss_scale=None
+      [False] * 40,
+      loss_scale=dynamic_loss_scale(
+        2.0**120, period=1, factor=2, min_loss_scale=1.0
+      ),
+      max_loss_scale=None,
     )
     assert float(state.loss_scale) == 2.0**127  # next would be inf.
 
   def test_overflow_resets_the_growth_counter(self):
     pattern = [False] * 4 + [True] + [False] * 5
-    used, _, _ = _scale_trajectory(pattern, loss_scale=_dynamic(8.0, period=5))
+    used, _, _ = _scale_trajectory(
+      pattern,
+      loss_scale=dynamic_loss_scale(
+        8.0, period=5, factor=2, min_loss_scale=1.0
+      ),
+    )
     # 4 finite steps, overflow halves, then the 5th finite step after it grows.
     assert used == [8.0] * 5 + [4.0] * 5
     used, _, state = _scale_trajectory(
-      pattern + [False], loss_scale=_dynamic(8.0, period=5)
+      pattern + [False],
+      loss_scale=dynamic_loss_scale(
+        8.0, period=5, factor=2, min_loss_scale=1.0
+      ),
     )
     assert float(state.loss_scale) == 8.0
 
   def test_hysteresis_backs_off_from_the_kth_overflow_in_a_row(self):
     pattern = [True, False, True, True, True, False]
     used, finite, state = _scale_trajectory(
-      pattern, loss_scale=_dynamic(64.0), hysteresis=2
+      pattern,
+      loss_scale=dynamic_loss_scale(
+        64.0, period=5, factor=2, min_loss_scale=1.0
+      ),
+      hysteresis=2,
     )
     assert finite == [False, True, False, False, False, True]
     assert used == [64.0, 64.0, 64.0, 64.0, 32.0, 16.0]
@@ -131,19 +152,65 @@ class TestLossScaleRule:
     assert set(used) == {1.0}
 
   def test_adjust_loss_scale_is_pure(self):
+    """Same inputs, same outputs: eager or jitted, repeated, in any order.
+
+    Away from the cap and the floor (period 3, hysteresis 2, scale 8 between
+    1 and 1024), every branch of the rule: count, grow, overflow before and
+    at the hysteresis. The inputs (numpy arrays) are never written to.
+    """
     cfg = jaxmp.LossScaleConfig(
-      "dynamic", period=2, factor=2.0, min_loss_scale=1.0, max_loss_scale=8.0
+      "dynamic",
+      period=3,
+      factor=2.0,
+      min_loss_scale=1.0,
+      max_loss_scale=1024.0,
+      hysteresis=2,
     )
-    scale, counter = jax.jit(jaxmp.adjust_loss_scale, static_argnums=0)(
-      cfg, jnp.float32(8.0), jnp.int32(1), jnp.int32(0), jnp.bool_(True)
+    # (scale, counter, consecutive skips, finite) -> (scale, counter).
+    cases = [
+      ((8.0, 0, 0, True), (8.0, 1)),  # Counts a finite step.
+      ((8.0, 2, 0, True), (16.0, 0)),  # The 3rd in a row grows.
+      ((8.0, 2, 1, False), (8.0, 0)),  # 1st overflow: hysteresis holds.
+      ((8.0, 1, 2, False), (4.0, 0)),  # 2nd in a row backs off.
+    ]
+    args = [
+      (
+        np.array(s, np.float32),
+        np.array(c, np.int32),
+        np.array(k, np.int32),
+        np.array(f),
+      )
+      for (s, c, k, f), _ in cases
+    ]
+    copies = [tuple(a.copy() for a in arg) for arg in args]
+    eager = functools.partial(jaxmp.adjust_loss_scale, cfg)
+    jitted = jax.jit(jaxmp.adjust_loss_scale, static_argnums=0)
+    for _ in range(2):  # Again, after every other case: no hidden state.
+      for arg, (_, want) in zip(args + args[::-1], cases + cases[::-1]):
+        for fn in (eager, functools.partial(jitted, cfg)):
+          scale, counter = fn(*arg)
+          assert (float(scale), int(counter)) == want, (arg, want)
+          assert scale.dtype == jnp.float32
+    for arg, copy in zip(args, copies):
+      for a, c in zip(arg, copy):
+        np.testing.assert_array_equal(a, c)
+    # One trace serves every case: the rule is traced, not branched on values.
+    assert jitted._cache_size() == 1  # pylint: disable=protected-access
+    assert cfg == jaxmp.LossScaleConfig(
+      "dynamic", 3, 2.0, 1.0, 1024.0, hysteresis=2
     )
-    assert float(scale) == 8.0 and int(counter) == 0
 
 
 class TestJitRoundTrip:
   @pytest.mark.parametrize(
     "loss_scale",
-    [_dynamic(2.0**15, period=10, floor=2.0**-3), 64.0, jmp.NoOpLossScale()],
+    [
+      dynamic_loss_scale(
+        2.0**15, period=10, factor=2, min_loss_scale=2.0 ** (-3)
+      ),
+      64.0,
+      jmp.NoOpLossScale(),
+    ],
   )
   def test_state_survives_jit_with_every_field(self, loss_scale):
     opt = jaxmp.mixed_precision(
@@ -162,7 +229,7 @@ class TestJitRoundTrip:
       assert x.dtype == y.dtype
 
   def test_min_loss_scale_survives_jit_where_jmp_loses_it(self):
-    ls = _dynamic(8.0, floor=0.25)
+    ls = dynamic_loss_scale(8.0, period=5, factor=2, min_loss_scale=0.25)
     # jmp 0.0.4's flaw, pinned: its flatten drops min_loss_scale.
     jmp_out = jax.jit(lambda s: s)(ls)
     assert float(jmp_out.min_loss_scale) == 1.0
@@ -224,7 +291,12 @@ class TestMastersAndSkips:
   )
   def test_params_are_cast_masters_and_masters_match_plain_fp32(self, inner):
     params = self._params()
-    opt = jaxmp.mixed_precision(inner, loss_scale=_dynamic(2.0**8, period=7))
+    opt = jaxmp.mixed_precision(
+      inner,
+      loss_scale=dynamic_loss_scale(
+        2.0**8, period=7, factor=2, min_loss_scale=1.0
+      ),
+    )
     state = opt.init(params)
     ref_params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     ref_state = inner.init(ref_params)
@@ -282,7 +354,10 @@ class TestMastersAndSkips:
     """Skipped steps change nothing: bit-identical to a run without them."""
     params = self._params()
     opt = jaxmp.mixed_precision(
-      optax.sgd(0.05, momentum=0.9), loss_scale=_dynamic(2.0**6, period=3)
+      optax.sgd(0.05, momentum=0.9),
+      loss_scale=dynamic_loss_scale(
+        2.0**6, period=3, factor=2, min_loss_scale=1.0
+      ),
     )
     step = jax.jit(opt.update)
     run = {
@@ -545,7 +620,10 @@ class TestAccessorsAndHelpers:
     opt = optax.chain(
       optax.scale(1.0),
       jaxmp.mixed_precision(
-        optax.sgd(0.1), loss_scale=_dynamic(16.0, floor=2.0)
+        optax.sgd(0.1),
+        loss_scale=dynamic_loss_scale(
+          16.0, period=5, factor=2, min_loss_scale=2.0
+        ),
       ),
     )
     params = {"w": jnp.ones(2, jnp.float16)}
@@ -601,10 +679,22 @@ class TestBadInput:
     [
       (dict(loss_scale="dynamic"), "loss_scale must be"),
       (dict(loss_scale=-1.0), "finite and > 0"),
-      (dict(loss_scale=_dynamic(floor=0.0)), "min_loss_scale"),
+      (
+        dict(
+          loss_scale=dynamic_loss_scale(
+            2.0**10, period=5, factor=2, min_loss_scale=0.0
+          )
+        ),
+        "min_loss_scale",
+      ),
       (dict(hysteresis=0), "hysteresis"),
       (
-        dict(loss_scale=_dynamic(2.0, floor=4.0), max_loss_scale=2.0),
+        dict(
+          loss_scale=dynamic_loss_scale(
+            2.0, period=5, factor=2, min_loss_scale=4.0
+          ),
+          max_loss_scale=2.0,
+        ),
         "above max_loss_scale",
       ),
     ],
@@ -617,12 +707,21 @@ class TestBadInput:
     "kwargs,match,start",
     [
       (
-        dict(loss_scale=_dynamic(2.0**30), max_loss_scale=2.0**20),
+        dict(
+          loss_scale=dynamic_loss_scale(
+            2.0**30, period=5, factor=2, min_loss_scale=1.0
+          ),
+          max_loss_scale=2.0**20,
+        ),
         r"1073741824\.0.*max_loss_scale=1048576\.0",
         2.0**20,
       ),
       (
-        dict(loss_scale=_dynamic(0.5, floor=2.0)),
+        dict(
+          loss_scale=dynamic_loss_scale(
+            0.5, period=5, factor=2, min_loss_scale=2.0
+          )
+        ),
         r"0\.5.*min_loss_scale=2\.0",
         2.0,
       ),
@@ -679,8 +778,11 @@ class TestPolicies:
     custom = jaxmp.get_preset("p=f16,c=f16,o=f32")
     assert custom.master_weights
     assert isinstance(custom.loss_scale, jmp.DynamicLossScale)
-    with pytest.raises(Exception):
-      o2.name = "x"  # frozen
+    with pytest.raises(
+      dataclasses.FrozenInstanceError, match="cannot assign to field 'name'"
+    ):
+      o2.name = "x"
+    assert o2.name == "O2"
 
   @pytest.mark.parametrize("spec", ["O4", "fp16", "p=f99", "", 3])
   def test_unknown_spec_lists_valid_ones(self, spec):

@@ -9,25 +9,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import jmp
 import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from _helpers import dynamic_loss_scale
 import jaxmp
 
-pytestmark = pytest.mark.skipif(
-  jax.device_count() < 4, reason="needs 4 (forced) CPU devices"
-)
+pytestmark = pytest.mark.devices(4)
 
 
 def _mesh():
   return Mesh(np.array(jax.devices()[:4]), ("data",))
-
-
-def _dynamic(scale):
-  return jmp.DynamicLossScale(np.float32(scale), period=2)
 
 
 def _specs(state, sharded):
@@ -56,7 +50,9 @@ def test_jit_over_sharded_grads_skips_globally():
 def test_shard_map_unreduced_grads_with_axis_name_skip_together(dtype):
   mesh = _mesh()
   opt = jaxmp.mixed_precision(
-    optax.sgd(1.0), loss_scale=_dynamic(16.0), axis_name="data"
+    optax.sgd(1.0),
+    loss_scale=dynamic_loss_scale(16.0, period=2, factor=2, min_loss_scale=1.0),
+    axis_name="data",
   )
   params = {"w": jnp.ones(2, dtype)}
   state = opt.init(params)
@@ -100,7 +96,10 @@ def test_shard_map_unreduced_grads_with_axis_name_skip_together(dtype):
 
 def test_shard_map_without_axis_name_devices_decide_alone():
   mesh = _mesh()
-  opt = jaxmp.mixed_precision(optax.sgd(1.0), loss_scale=_dynamic(16.0))
+  opt = jaxmp.mixed_precision(
+    optax.sgd(1.0),
+    loss_scale=dynamic_loss_scale(16.0, period=2, factor=2, min_loss_scale=1.0),
+  )
   params = {"w": jnp.ones(2, jnp.float32)}
   state = opt.init(params)
 
@@ -130,7 +129,9 @@ def test_shard_map_without_axis_name_devices_decide_alone():
 def test_shard_map_replicated_params_pmeaned_grads(bad):
   mesh = _mesh()
   opt = jaxmp.mixed_precision(
-    optax.sgd(0.5, momentum=0.9), loss_scale=_dynamic(4.0), axis_name="data"
+    optax.sgd(0.5, momentum=0.9),
+    loss_scale=dynamic_loss_scale(4.0, period=2, factor=2, min_loss_scale=1.0),
+    axis_name="data",
   )
   params = {"h": jnp.ones(3, jnp.float16), "f": jnp.ones(2, jnp.float32)}
   state = opt.init(params)
@@ -164,7 +165,9 @@ def test_shard_map_replicated_params_pmeaned_grads(bad):
 def test_shard_map_sharded_params():
   mesh = _mesh()
   opt = jaxmp.mixed_precision(
-    optax.sgd(0.25, momentum=0.5), loss_scale=_dynamic(8.0), axis_name="data"
+    optax.sgd(0.25, momentum=0.5),
+    loss_scale=dynamic_loss_scale(8.0, period=2, factor=2, min_loss_scale=1.0),
+    axis_name="data",
   )
   params = {"w": jnp.ones(8, jnp.float16), "f": jnp.ones(4, jnp.float32)}
   state = opt.init(params)
@@ -195,7 +198,9 @@ def test_shard_map_sharded_params():
 
 def test_pmap_with_axis_name_skips_together():
   opt = jaxmp.mixed_precision(
-    optax.sgd(1.0), loss_scale=_dynamic(16.0), axis_name="data"
+    optax.sgd(1.0),
+    loss_scale=dynamic_loss_scale(16.0, period=2, factor=2, min_loss_scale=1.0),
+    axis_name="data",
   )
   params = {"w": jnp.ones(2, jnp.float16)}
   state = opt.init(params)

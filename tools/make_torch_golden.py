@@ -1,0 +1,188 @@
+"""Writes PyTorch's answers for the parity tests to ``tests/golden/``.
+
+Run with torch installed (``pip install -e .[bench]``), from the repo root::
+
+  python tools/make_torch_golden.py [--out tests/golden]
+
+It writes ``torch_resnet18.npz`` and ``torch_resnet18.pth``, which
+``tests/test_torchvision.py`` reads without torch, and which its
+``test_golden_files_are_what_torch_computes`` (with torch) regenerates into a
+temporary directory and compares. The two nets are ``bench/_torch_resnet.py``'s
+(torchvision is not installable beside torch 2.13): its
+``TorchvisionResNet18`` has torchvision's module names and init, its
+``ResNet18`` is renamed to kuangliu/pytorch-cifar's names (``layerI.J``,
+``shortcut``, ``linear``) on the way out. Both at 4 filters and 5 classes.
+
+The weights and inputs come from numpy's seeded generator (bit for bit the
+same on every machine); torch computes, in float32 and float64, for each net:
+
+* ``<arch>/weights/<name>``: the float32 state dict (random BatchNorm affine
+  and running statistics, random counters), in torch's names and layouts;
+* ``<arch>/x`` (NCHW float32) and ``<arch>/labels``;
+* ``<arch>/<dtype>/eval_logits``, ``train_logits`` and ``loss`` (mean
+  cross-entropy of the train-mode logits);
+* ``<arch>/<dtype>/stats/<name>``: running mean, variance and counter after
+  that one train-mode forward pass (torch's unbiased running variance);
+* ``<arch>/<dtype>/grad/<name>``: the gradient of ``loss`` for every
+  parameter, by torch name.
+
+And ``init/<name>``: ``[size, mean, std, max |value|]`` of each tensor of
+torch's ``TorchvisionResNet18(num_classes=100, num_filters=16)`` init (torch
+seed 0); ``bfloat16/<name>``: the bits (uint16) of torch's bfloat16 cast of
+the torchvision net's float32 weights. The ``.pth`` is
+``torch.save({"net": <torchvision weights>, "epoch": 3})``.
+"""
+
+import argparse
+import os
+import re
+import sys
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import _torch_resnet  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+FILTERS, CLASSES, BATCH = 4, 5, 4
+INIT_FILTERS, INIT_CLASSES = 16, 100
+# Input size per arch: 64x64 for the ImageNet stem, so that its last stage is
+# 2x2 (train-mode BatchNorm over 4 * 2 * 2 = 16 values per channel).
+SIZE = {"resnet18_torchvision": 64, "resnet18": 32}
+SEED = {"resnet18_torchvision": 0, "resnet18": 1}
+NPZ, PTH = "torch_resnet18.npz", "torch_resnet18.pth"
+
+
+def kuangliu_name(name: str) -> str:
+  """The bench CIFAR ResNet18's names -> kuangliu/pytorch-cifar's."""
+  name = re.sub(
+    r"^layers\.(\d+)\.",
+    lambda m: f"layer{int(m[1]) // 2 + 1}.{int(m[1]) % 2}.",
+    name,
+  )
+  return re.sub(r"^fc\.", "linear.", name.replace(".downsample.", ".shortcut."))
+
+
+def make_net(arch: str, num_classes: int, num_filters: int):
+  """The torch net of ``arch`` and its name map (torch name -> golden)."""
+  if arch == "resnet18_torchvision":
+    net = _torch_resnet.TorchvisionResNet18(num_classes, num_filters)
+    return net, lambda n: n
+  return _torch_resnet.ResNet18(num_classes, num_filters), kuangliu_name
+
+
+def random_weights(net, rng: np.random.Generator) -> dict[str, np.ndarray]:
+  """Seeded float32 values for every tensor of ``net``'s state dict.
+
+  Convs He-normal in fan-in, BatchNorm weight U(0.5, 1.5), bias N(0, 0.2),
+  running mean N(0, 0.3), running var U(0.5, 2), counters U{0..999}; the
+  linear layer N(0, 0.1). Non-default BatchNorm values, so that a swapped
+  scale/bias or mean/var shows in the logits.
+  """
+  out = {}
+  for name, t in net.state_dict().items():
+    shape, leaf = tuple(t.shape), name.rsplit(".", 1)[1]
+    if leaf == "num_batches_tracked":
+      out[name] = np.int64(rng.integers(0, 1000))
+    elif len(shape) == 4:
+      std = np.sqrt(2.0 / np.prod(shape[1:]))
+      out[name] = (rng.normal(size=shape) * std).astype(np.float32)
+    elif len(shape) == 2 or name.startswith("fc."):
+      out[name] = rng.normal(0, 0.1, shape).astype(np.float32)
+    elif leaf == "weight":
+      out[name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+    elif leaf == "bias":
+      out[name] = rng.normal(0, 0.2, shape).astype(np.float32)
+    elif leaf == "running_mean":
+      out[name] = rng.normal(0, 0.3, shape).astype(np.float32)
+    elif leaf == "running_var":
+      out[name] = rng.uniform(0.5, 2.0, shape).astype(np.float32)
+    else:
+      raise ValueError(f"unexpected tensor {name} {shape}")
+  return out
+
+
+def parity_arrays(arch: str) -> dict[str, np.ndarray]:
+  """The ``<arch>/...`` arrays of the module docstring."""
+  rng = np.random.default_rng(SEED[arch])
+  net, rename = make_net(arch, CLASSES, FILTERS)
+  weights = random_weights(net, rng)
+  x = rng.normal(size=(BATCH, 3, SIZE[arch], SIZE[arch])).astype(np.float32)
+  labels = np.arange(BATCH, dtype=np.int64) % CLASSES
+  out = {f"{arch}/x": x, f"{arch}/labels": labels}
+  out.update({f"{arch}/weights/{rename(k)}": v for k, v in weights.items()})
+  for dtype in ("float32", "float64"):
+    tdtype = getattr(torch, dtype)
+    net.load_state_dict(
+      {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
+    )
+    net.to(tdtype)
+    tx = torch.from_numpy(x).to(tdtype)
+    net.eval()
+    with torch.no_grad():
+      out[f"{arch}/{dtype}/eval_logits"] = net(tx).numpy()
+    net.train()
+    net.zero_grad()
+    logits = net(tx)
+    loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels))
+    loss.backward()
+    out[f"{arch}/{dtype}/train_logits"] = logits.detach().numpy()
+    out[f"{arch}/{dtype}/loss"] = loss.detach().numpy()
+    for k, v in net.state_dict().items():
+      if "running_" in k or "num_batches" in k:
+        out[f"{arch}/{dtype}/stats/{rename(k)}"] = v.numpy().copy()
+    for k, p in net.named_parameters():
+      out[f"{arch}/{dtype}/grad/{rename(k)}"] = p.grad.numpy().copy()
+  return out
+
+
+def init_statistics() -> dict[str, np.ndarray]:
+  """``init/<name>``: size, mean, std and max |value| of torch's init."""
+  torch.manual_seed(0)
+  net, _ = make_net("resnet18_torchvision", INIT_CLASSES, INIT_FILTERS)
+  out = {}
+  for k, v in net.state_dict().items():
+    w = v.numpy().astype(np.float64)
+    out[f"init/{k}"] = np.array(
+      [w.size, w.mean(), w.std(), np.abs(w).max()], np.float64
+    )
+  return out
+
+
+def write(out_dir: str) -> None:
+  """Writes `NPZ` and `PTH` to ``out_dir``."""
+  arrays = {}
+  for arch in SIZE:
+    arrays.update(parity_arrays(arch))
+  arrays.update(init_statistics())
+  prefix = "resnet18_torchvision/weights/"
+  weights = {
+    k[len(prefix) :]: torch.from_numpy(np.asarray(v))
+    for k, v in arrays.items()
+    if k.startswith(prefix)
+  }
+  for k, v in weights.items():
+    if v.is_floating_point():
+      arrays[f"bfloat16/{k}"] = (
+        v.bfloat16().view(torch.int16).numpy().view(np.uint16)
+      )
+  os.makedirs(out_dir, exist_ok=True)
+  np.savez_compressed(os.path.join(out_dir, NPZ), **arrays)
+  torch.save({"net": weights, "epoch": 3}, os.path.join(out_dir, PTH))
+
+
+def main() -> None:
+  """Writes the golden files (``--out``) and prints their sizes."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=os.path.join(ROOT, "tests", "golden"))
+  args = parser.parse_args()
+  torch.use_deterministic_algorithms(True)
+  write(args.out)
+  for name in (NPZ, PTH):
+    path = os.path.join(args.out, name)
+    print(f"{path}: {os.path.getsize(path)} bytes")
+
+
+if __name__ == "__main__":
+  main()
