@@ -977,3 +977,38 @@ def test_custom_vjp_of_a_product_saves_half_inputs_and_runs_its_rule_in_half():
   assert got.dtype == F32
   # dK sums 2*4*4 = 32 products of |x| <= 1 and |dy| <= 1, rounded in half.
   assert_within(got, want, (32 + 3 + 9 * 3 + 3) * U[jnp.dtype(F16)] * 32)
+
+
+@jax.custom_vjp
+def _conv_plus_mean(x, k):
+  return _conv(x, k) + jnp.mean(x)
+
+
+def _conv_plus_mean_fwd(x, k):
+  return _conv_plus_mean(x, k), (x, k)
+
+
+def _conv_plus_mean_bwd(res, dy):
+  x, k = res
+  _, vjp = jax.vjp(lambda x, k: _conv(x, k) + jnp.mean(x), x, k)
+  return vjp(dy)
+
+
+_conv_plus_mean.defvjp(_conv_plus_mean_fwd, _conv_plus_mean_bwd)
+
+
+def test_custom_vjp_bwd_rule_runs_under_autocast():
+  # x also feeds a mean: it reaches the rule in fp32, and the rule's own
+  # transposed convolutions are still made half by autocast.
+  x = jnp.linspace(-1.0, 1.0, 2 * 4 * 4 * 3).reshape(2, 4, 4, 3)
+  k = jnp.linspace(-0.5, 0.5, 3 * 3 * 3 * 2).reshape(3, 3, 3, 2)
+
+  def f(k, x):
+    return jnp.sum(jnp.tanh(_conv_plus_mean(x, k)))
+
+  g = jaxmp.autocast(f)
+  jp = jax.make_jaxpr(jax.grad(g, argnums=(0, 1)))(k, x)
+  assert len(products(jp)) >= 3
+  assert_all_half(jp)
+  got, want = jax.grad(g)(k, x), jax.grad(f)(k, x)
+  assert_within(got, want, (32 + 3 + 9 * 3 + 3) * U[jnp.dtype(F16)] * 32)

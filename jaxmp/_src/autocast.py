@@ -301,12 +301,15 @@ class _Interpreter:
     avals = ji.in_avals(eqn)
     args = list(invals)
     if not self.natural:
-      # Inputs that only feed matrix products are cast at the boundary, so
-      # the rule saves them in half precision, as the product itself would.
+      # When the float inputs only feed matrix products, they are cast at
+      # the boundary, so the rule saves them in half precision as the
+      # product itself would. All or none: a rule may insist (lax.conv does)
+      # that its operands share a dtype.
       only = ji.inputs_only_multiplied(call, LOWER_PRECISION)
-      for i, (x, a, o) in enumerate(zip(args, avals, only)):
-        if o and _castable(a.dtype):
-          args[i] = _cast(x, self.dtype)
+      floats = [i for i, a in enumerate(avals) if _castable(a.dtype)]
+      if floats and all(only[i] for i in floats):
+        for i in floats:
+          args[i] = _cast(args[i], self.dtype)
     ct_dtypes = None
     if [jnp.dtype(x.dtype) for x in args] != [
       jnp.dtype(a.dtype) for a in avals
