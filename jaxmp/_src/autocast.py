@@ -62,6 +62,30 @@ The backward pass: ``dot_general`` is bound with half inputs and a half
 x half too, as in torch; the casts of fp32 parameters transpose to casts back,
 so gradients with respect to fp32 inputs are fp32.
 
+Frameworks, with the model left as it is:
+
+* Flax linen: ``jaxmp.autocast(model.apply)(variables, x, train=True,
+  mutable=["batch_stats"])`` returns ``(out, updates)`` as ``apply`` does.
+* Flax NNX: split once, ``graphdef, state = nnx.split(model)``; autocast a
+  function of the state that merges, calls and returns the new state, so
+  BatchNorm's statistics are not dropped::
+
+    def forward(state, x):
+      m = nnx.merge(graphdef, state)
+      return m(x), nnx.state(m)
+
+    y, state = jaxmp.autocast(forward)(state, x)
+
+* Equinox: pass the module as an argument, ``jaxmp.autocast(lambda m, x:
+  m(x))(model, x)``; its non-array fields are static. (``autocast(model)``
+  also runs, with the model's arrays closed over.)
+
+Arguments: array leaves (``jax.Array``, numpy) are traced; every other leaf
+(Python scalars, strings, callables, ``mutable=[...]``) is static and keys
+the cache. A cast to the dtype a value already has when ``fun`` is traced
+(e.g. ``logits.astype(jnp.float32)`` in an fp32 model) leaves no trace in the
+jaxpr: to force a region to fp32, use :func:`no_autocast`.
+
 Regions: :func:`no_autocast` (Apex's ``amp.float_function``) runs its function
 in fp32 and is left alone by an enclosing ``autocast``; a nested ``autocast``
 region keeps its own dtype. Both are ``jit`` calls with a marker name, so they
