@@ -1074,3 +1074,45 @@ def test_custom_vjp_bwd_rule_runs_under_autocast():
   assert_all_half(jp)
   got, want = jax.grad(g)(k, x), jax.grad(f)(k, x)
   assert_within(got, want, (32 + 3 + 9 * 3 + 3) * U[jnp.dtype(F16)] * 32)
+
+
+@jax.custom_vjp
+def _product_sz(a, b):
+  return a * b
+
+
+def _product_sz_fwd(a, b):
+  return _product_sz(a.value, b.value), (a.value, b.value)
+
+
+def _product_sz_bwd(res, g):
+  a, b = res
+  return g * b, g * a
+
+
+_product_sz.defvjp(_product_sz_fwd, _product_sz_bwd, symbolic_zeros=True)
+
+
+@jax.custom_jvp
+def _relu_sz(x):
+  return jnp.maximum(x, 0.0)
+
+
+_relu_sz.defjvp(lambda p, t: (_relu_sz(p[0]), 2.0 * t[0]), symbolic_zeros=True)
+
+
+def test_custom_rules_with_symbolic_zeros():
+  x = jnp.linspace(0.0, 1.0, 6).reshape(2, 3)
+  w = jnp.ones((3, 4))
+
+  def f(w, x):
+    h = x @ w
+    return jnp.sum(_product_sz(h, h + 1.0)) + jnp.sum(_relu_sz(h))
+
+  got = jax.grad(jaxmp.autocast(f))(w, x)
+  # d/dw: x^T (2 h + 1) from the product, x^T 2 from the (doubled) relu.
+  # Error: 5u |x| |dh| rounding the last product, plus |x| 2 (3 + 3) u |h|
+  # from the rounded h, <= 6u |x| |dh| as |dh| > 2 |h|: 3x matmul_tol.
+  h = x @ w
+  dh = 2 * h + 1 + 2.0
+  assert_within(got, x.T @ dh, matmul_tol(x.T, 3 * jnp.abs(dh)))
