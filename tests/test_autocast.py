@@ -418,6 +418,11 @@ def test_under_jit_only_casts_are_added():
 
   assert ops(jaxmp.autocast(f)) == ops(f)
 
+  def h(w, x):  # relu is a custom_jvp: its rule runs in the backward pass
+    return jnp.sum(jax.nn.relu(x @ w) @ w.T)
+
+  assert ops(jax.grad(jaxmp.autocast(h))) == ops(jax.grad(h))
+
 
 def test_scan_body_is_rewritten_and_carry_keeps_its_dtype():
   def f(w, x, act=jnp.tanh):
