@@ -51,11 +51,18 @@ Everywhere JAX code goes: ``jit`` bodies are rewritten and re-bound (same name
 and shardings); ``scan``, ``while_loop``, ``cond``/``switch``, ``checkpoint``
 and ``shard_map`` (same mesh, specs and axis names, collectives inside) are
 re-emitted through ``jax.lax``/``jax.shard_map`` with their bodies rewritten;
-loop carries keep their traced dtype (so a loop's type is fixed). For
-``custom_jvp``/``custom_vjp`` the primal and the forward rule are rewritten and
-the user's rule still defines the derivative: a bwd rule that clips the
-cotangent still clips it, and ``jaxmp.nn.BatchNorm`` still saves its input in
-half precision for its backward pass.
+loop carries keep their traced dtype (so a loop's type is fixed), ``cond``
+branches agree on the widest dtype of each output. For ``custom_jvp`` and
+``custom_vjp`` the user's rule still defines the derivative (a bwd rule that
+clips the cotangent still clips it): the primal, the JVP rule and the fwd rule
+are rewritten; the bwd rule is called on the residuals the fwd rule now saves
+and on cotangents in the dtype plain JAX would give its outputs, and its
+operations are rewritten too (as torch's ``custom_bwd``). A ``custom_vjp``
+whose float inputs only feed matrix products (``jaxmp.nn``'s convolution) gets
+them cast to ``dtype`` at its boundary, so it saves them in half;
+``jaxmp.nn.BatchNorm`` saves its (half) input for its backward pass. Other
+primitives with bodies (e.g. ``reduce`` with a custom computation, scatters,
+``pure_callback``) run at their traced dtypes.
 
 The backward pass: ``dot_general`` is bound with half inputs and a half
 ``preferred_element_type``, so its transposes (the backward products) are half
