@@ -61,9 +61,8 @@ operations are rewritten too (as torch's ``custom_bwd``). A ``custom_vjp``
 whose float inputs only feed matrix products (``jaxmp.nn``'s convolution) gets
 them cast to ``dtype`` at its boundary, so it saves them in half;
 ``jaxmp.nn.BatchNorm`` saves its (half) input for its backward pass. Other
-primitives with bodies (e.g. ``reduce`` with a custom computation,
-``scatter-add`` and friends,
-``pure_callback``) run at their traced dtypes.
+primitives with bodies (``reduce`` with a custom computation, ``scatter-add``
+and its kin), bitcasts and callbacks run at their traced dtypes.
 
 The backward pass: ``dot_general`` is bound with half inputs and a half
 ``preferred_element_type``, so its transposes (the backward products) are half
