@@ -304,7 +304,7 @@ def make_train_step(
     if "skip_diagnostics" in metrics:  # Static: built with diagnostics=True.
       mp_state = jaxmp.find_state(opt_state)
       new_metrics["skip_diagnostics"] = jax.tree.map(
-        lambda new, old: jnp.where(mp_state.grads_finite, old, new),
+        lambda new, old: jnp.where(mp_state.step_applied, old, new),
         mp_state.diagnostics,
         metrics["skip_diagnostics"],
       )

@@ -23,6 +23,7 @@ APP_ONLY = (
 
 PUBLIC = {
   "jaxmp": (
+    "AccumulationState",
     "adjust_loss_scale",
     "all_finite",
     "calibrate_loss_scale",
@@ -32,10 +33,10 @@ PUBLIC = {
     "get_policy",
     "get_preset",
     "initialize",
-    "loss_scale",
-    "LossScale",
+    "loss_scaler",
     "LossScaleCollapseError",
     "LossScaleConfig",
+    "LossScaler",
     "master_params",
     "mixed_precision",
     "multi_steps",
@@ -48,6 +49,7 @@ PUBLIC = {
     "scale_loss",
     "stats",
     "stochastic_round",
+    "value_and_grad",
   ),
   "jaxmp.nn": ("BatchNorm", "conv_general_dilated", "max_pool"),
   "jaxmp.models": (
