@@ -278,13 +278,9 @@ def make_train_step(
   def train_step(state: TrainState, images, labels, metrics):
     images = faults_lib.corrupt_images(faults, state.step, images)
 
-    def scaled_loss_fn(params):
-      loss, aux = loss_fn(params, state.batch_stats, images, labels)
-      return jaxmp.scale_loss(loss, state.opt_state), (loss, aux)
-
-    grads, (loss, (logits, new_vars)) = jax.grad(scaled_loss_fn, has_aux=True)(
-      state.params
-    )
+    (loss, (logits, new_vars)), grads = jaxmp.value_and_grad(
+      loss_fn, has_aux=True
+    )(state.params, state.opt_state, state.batch_stats, images, labels)
     grads = faults_lib.corrupt_grads(faults, state.step, grads)
     updates, opt_state = optimizer.update(
       grads, state.opt_state, state.params, loss=loss
