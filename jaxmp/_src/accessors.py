@@ -326,7 +326,7 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
   Roll back the caller's other mutable state with it: Flax ``batch_stats``
   updated by the forward pass of an overflowed step, an EMA of the params.
 
-  Without accumulation the test is ``mixed_precision``'s ``grads_finite``:
+  Without accumulation the test is ``mixed_precision``'s ``step_applied``:
   ``old`` is kept exactly when the update was skipped. Under
   `jaxmp.multi_steps` it is the flag of the microbatch just accumulated, as
   `jaxmp.multi_steps` checks each one: ``old`` is kept exactly for the
@@ -334,7 +334,7 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
   they belong to ends skipped or not. A skipped window so keeps the
   statistics of its finite microbatches (forward passes of params that did
   not change, as valid as in an applied window), and no forward pass of an
-  overflowed microbatch ever reaches the state. (``grads_finite`` would be
+  overflowed microbatch ever reaches the state. (``step_applied`` would be
   stale mid-window: it only moves when a window ends.) A plain
   `optax.MultiSteps` around ``mixed_precision`` is rejected, for that
   reason.

@@ -13,7 +13,7 @@ half gradients:
   microbatches in fp32 and hands the fp32 mean on (`mixed_precision` unscales
   in fp32 anyway);
 * its state says nothing about the microbatch just seen: `mixed_precision`'s
-  ``grads_finite`` only moves when a window ends, so mid-window it is stale.
+  ``step_applied`` only moves when a window ends, so mid-window it is stale.
   `multi_steps` checks every microbatch and keeps the flag in its state, for
   `jaxmp.rollback_if_skipped`;
 * its ``lax.cond`` on the skip hook fails under ``shard_map`` with its default

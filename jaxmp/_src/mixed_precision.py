@@ -193,11 +193,13 @@ def mixed_precision(
   """Wraps an optax optimizer with FP32 master params and loss scaling.
 
   The gradients given to ``update`` are those of ``loss * scale`` (use
-  `jaxmp.value_and_grad`, or `jaxmp.scale_loss`). They are unscaled in fp32 with the scale the forward
-  pass used and checked for inf/nan over the whole tree. A finite step runs
+  `jaxmp.value_and_grad`, or `jaxmp.scale_loss`). They are unscaled in fp32
+  with the scale the forward pass used and checked for inf/nan over the
+  whole tree. A finite step runs
   ``inner`` on the fp32 gradients and fp32 masters; a non-finite step returns
   zero updates and leaves masters and ``inner``'s state untouched. Then the
-  scale is adjusted (see the module docstring for the rule).
+  scale is adjusted by jmp's rule, which is GradScaler's (written out in
+  `jaxmp.adjust_loss_scale`'s module, `jaxmp/_src/loss_scale.py`).
 
   For every float16/bfloat16 param the state keeps an fp32 master, and the
   returned (fp32) updates satisfy ``optax.apply_updates(params, updates) ==
