@@ -83,7 +83,7 @@ def train(initial_scale, data):
   for i, (x, y) in enumerate(data):
     t = time.perf_counter()
     params, state = step(params, state, x, y)
-    if first_applied is None and bool(jaxmp.stats(state)["grads_finite"]):
+    if first_applied is None and bool(jaxmp.stats(state)["step_applied"]):
       first_applied = i + 1
     if i == 5:
       t_step = time.perf_counter() - t  # One warm step (after compile).

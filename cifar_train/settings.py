@@ -53,7 +53,7 @@ class Precision:
   param_dtype: Any
   compute_dtype: Any
   norm_dtype: Any
-  loss_scale: jaxmp.LossScale
+  loss_scale: jaxmp.LossScaler
   max_loss_scale: float
   hysteresis: int
   master_weights: Any

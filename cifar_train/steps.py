@@ -276,13 +276,9 @@ def make_train_step(
   def train_step(state: TrainState, images, labels, metrics):
     images = faults_lib.corrupt_images(faults, state.step, images)
 
-    def scaled_loss_fn(params):
-      loss, aux = loss_fn(params, state.batch_stats, images, labels)
-      return jaxmp.scale_loss(loss, state.opt_state), (loss, aux)
-
-    grads, (loss, (logits, new_vars)) = jax.grad(scaled_loss_fn, has_aux=True)(
-      state.params
-    )
+    (loss, (logits, new_vars)), grads = jaxmp.value_and_grad(
+      loss_fn, has_aux=True
+    )(state.params, state.opt_state, state.batch_stats, images, labels)
     grads = faults_lib.corrupt_grads(faults, state.step, grads)
     updates, opt_state = optimizer.update(
       grads, state.opt_state, state.params, loss=loss
@@ -302,7 +298,7 @@ def make_train_step(
     if "skip_diagnostics" in metrics:  # Static: built with diagnostics=True.
       mp_state = jaxmp.find_state(opt_state)
       new_metrics["skip_diagnostics"] = jax.tree.map(
-        lambda new, old: jnp.where(mp_state.grads_finite, old, new),
+        lambda new, old: jnp.where(mp_state.step_applied, old, new),
         mp_state.diagnostics,
         metrics["skip_diagnostics"],
       )

@@ -17,13 +17,14 @@ opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
 
 @eqx.filter_jit
 def train_step(model, opt_state, x, y):
-  def loss_fn(model):
-    loss = jnp.mean((jax.vmap(model)(x).astype(jnp.float32) - y) ** 2)
-    return jaxmp.scale_loss(loss, opt_state), loss
-
-  (_, loss), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model)
   params, static = eqx.partition(model, eqx.is_inexact_array)
-  updates, opt_state = opt.update(grads, opt_state, params)
+
+  def loss_fn(params):  # Differentiate the arrays only, as eqx.filter_grad.
+    model = eqx.combine(params, static)
+    return jnp.mean((jax.vmap(model)(x).astype(jnp.float32) - y) ** 2)
+
+  loss, grads = jaxmp.value_and_grad(loss_fn)(params, opt_state)
+  updates, opt_state = opt.update(grads, opt_state, params, loss=loss)
   # The updates are fp32: optax.apply_updates casts back to fp16 (exactly
   # onto the fp32 masters); eqx.apply_updates would promote to fp32.
   model = eqx.combine(optax.apply_updates(params, updates), static)

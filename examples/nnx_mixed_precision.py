@@ -23,13 +23,14 @@ opt = nnx.Optimizer(
 )
 
 
+def loss_fn(model, x, y):
+  return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)  # fp32 loss
+
+
 @nnx.jit
 def train_step(model, opt, x, y):
-  def loss_fn(model):
-    loss = jnp.mean((model(x).astype(jnp.float32) - y) ** 2)  # fp32 loss
-    return jaxmp.scale_loss(loss, opt.opt_state), loss
-
-  grads, loss = nnx.grad(loss_fn, has_aux=True)(model)
+  # The loss unscaled, the gradients of loss * scale (an nnx.State of Params).
+  loss, grads = jaxmp.value_and_grad(loss_fn)(model, opt.opt_state, x, y)
   opt.update(model, grads)  # unscales, skips on inf/nan, steps fp32 masters
   return loss
 

@@ -16,7 +16,9 @@ logit = lambda d, x: (x @ d["w"]).astype(jnp.float32)
 
 
 def step(opt, loss_fn, params, state):  # one model, its loss, its scale
-  grads = jax.grad(lambda p: jaxmp.scale_loss(loss_fn(p), state))(params)
+  _, grads = jaxmp.value_and_grad(loss_fn)(params, state)
+  # Without loss=: the poisoned loss below is inf, and its inf gradients
+  # then count as an overflow that backs G's scale off.
   updates, state = opt.update(grads, state, params)
   return optax.apply_updates(params, updates), state
 

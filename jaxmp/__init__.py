@@ -6,10 +6,12 @@ Apex-style precision presets, and `autocast` (Apex O1 / torch.autocast
 per-op precision for any JAX function).
 """
 
+from jaxmp._src.accumulation import AccumulationState
 from jaxmp._src.accumulation import multi_steps
 from jaxmp._src.accessors import check_health
 from jaxmp._src.accessors import find_state
-from jaxmp._src.accessors import loss_scale
+from jaxmp._src.accessors import loss_scale as loss_scale  # Deprecated.
+from jaxmp._src.accessors import loss_scaler
 from jaxmp._src.accessors import LossScaleCollapseError
 from jaxmp._src.accessors import master_params
 from jaxmp._src.accessors import NonFiniteLossError
@@ -25,8 +27,8 @@ from jaxmp._src.compiler import cpu_compiler_options
 from jaxmp._src.initialize import initialize
 from jaxmp._src.mixed_precision import adjust_loss_scale
 from jaxmp._src.mixed_precision import all_finite
-from jaxmp._src.mixed_precision import LossScale
 from jaxmp._src.mixed_precision import LossScaleConfig
+from jaxmp._src.mixed_precision import LossScaler
 from jaxmp._src.mixed_precision import mixed_precision
 from jaxmp._src.mixed_precision import MixedPrecisionState
 from jaxmp._src.policy import get_policy
@@ -34,10 +36,12 @@ from jaxmp._src.policy import get_preset
 from jaxmp._src.policy import Preset
 from jaxmp._src.policy import PRESETS
 from jaxmp._src.rounding import stochastic_round
+from jaxmp._src.value_and_grad import value_and_grad
 
 __version__ = "0.1.0"
 
 __all__ = (
+  "AccumulationState",
   "adjust_loss_scale",
   "all_finite",
   "autocast",
@@ -49,10 +53,10 @@ __all__ = (
   "get_policy",
   "get_preset",
   "initialize",
-  "loss_scale",
-  "LossScale",
+  "loss_scaler",
   "LossScaleCollapseError",
   "LossScaleConfig",
+  "LossScaler",
   "master_params",
   "mixed_precision",
   "no_autocast",
@@ -66,4 +70,24 @@ __all__ = (
   "scale_loss",
   "stats",
   "stochastic_round",
+  "value_and_grad",
 )
+
+# Renamed public names, kept for one release: each use warns.
+_DEPRECATED = {"LossScale": ("LossScaler", LossScaler)}
+
+
+def __getattr__(name: str):
+  """The deprecated names (``jaxmp.LossScale``), with a warning."""
+  if name in _DEPRECATED:
+    import warnings  # pylint: disable=g-import-not-at-top
+
+    new, value = _DEPRECATED[name]
+    warnings.warn(
+      f"jaxmp.{name} is deprecated and will be removed in the next release; "
+      f"use jaxmp.{new}",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return value
+  raise AttributeError(f"module 'jaxmp' has no attribute {name!r}")

@@ -122,7 +122,7 @@ class TestWindows:
     params = {"w": jnp.ones(2, jnp.float16)}
     state = jax.jit(lambda s: s)(opt.init(params))
     assert float(jaxmp.scale_loss(jnp.float16(3.0), state)) == 48.0
-    assert float(jaxmp.loss_scale(state).loss_scale) == 16.0
+    assert float(jaxmp.loss_scaler(state).loss_scale) == 16.0
     assert jaxmp.find_state(state).config.kind == "dynamic"
     assert jaxmp.master_params(state)["w"].dtype == jnp.float32
 

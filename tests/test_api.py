@@ -23,6 +23,7 @@ APP_ONLY = (
 
 PUBLIC = {
   "jaxmp": (
+    "AccumulationState",
     "adjust_loss_scale",
     "all_finite",
     "autocast",
@@ -34,10 +35,10 @@ PUBLIC = {
     "get_policy",
     "get_preset",
     "initialize",
-    "loss_scale",
-    "LossScale",
+    "loss_scaler",
     "LossScaleCollapseError",
     "LossScaleConfig",
+    "LossScaler",
     "master_params",
     "mixed_precision",
     "no_autocast",
@@ -51,6 +52,7 @@ PUBLIC = {
     "scale_loss",
     "stats",
     "stochastic_round",
+    "value_and_grad",
   ),
   "jaxmp.nn": ("BatchNorm", "conv_general_dilated", "max_pool"),
   "jaxmp.models": (

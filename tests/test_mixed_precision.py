@@ -32,7 +32,7 @@ def _scale_trajectory(pattern, **kwargs):
   for bad in pattern:
     used.append(float(state.loss_scale))
     state = step(state, jnp.asarray(bad))
-    finite.append(bool(state.grads_finite))
+    finite.append(bool(state.step_applied))
   return used, finite, state
 
 
@@ -91,7 +91,7 @@ class TestLossScaleRule:
     assert set(used[3:]) == {4.0}
     assert float(state.loss_scale) == 4.0
     assert int(state.skipped_steps) == 20
-    assert int(state.consecutive_skips) == 20
+    assert int(state.consecutive_overflows) == 20
 
   def test_cap_holds_and_never_inf(self):
     _, _, state = _scale_trajectory(
@@ -236,7 +236,7 @@ class TestJitRoundTrip:
     opt = jaxmp.mixed_precision(optax.sgd(0.1), loss_scale=ls)
     state = jax.jit(lambda s: s)(opt.init({"w": jnp.zeros(1)}))
     assert state.config.min_loss_scale == 0.25
-    assert float(jaxmp.loss_scale(state).min_loss_scale) == 0.25
+    assert float(jaxmp.loss_scaler(state).min_loss_scale) == 0.25
     used, _, _ = _scale_trajectory([True] * 8, loss_scale=ls)
     assert used[-1] == 0.25
 
@@ -318,7 +318,7 @@ class TestMastersAndSkips:
       ref_params, ref_state = ref_step(
         {k: jnp.asarray(g) for k, g in grads.items()}, ref_state, ref_params
       )
-      assert bool(state.grads_finite)
+      assert bool(state.step_applied)
       masters = jaxmp.master_params(state, params)
       for k in params:
         np.testing.assert_array_equal(
@@ -379,7 +379,7 @@ class TestMastersAndSkips:
         updates, state = step(scaled, state, p)
         new_p = optax.apply_updates(p, updates)
         if t in bad_steps:
-          assert not bool(state.grads_finite)
+          assert not bool(state.step_applied)
           assert not any(np.any(np.asarray(u)) for u in updates.values())
           for k in p:  # Skipped: the params are unchanged, bit for bit.
             np.testing.assert_array_equal(
@@ -526,7 +526,7 @@ class TestAllFinite:
     opt = jaxmp.mixed_precision(optax.sgd(1e-30), loss_scale=1.0)
     grads = {"w": jnp.full(1000, 3e38, jnp.float32)}
     updates, state = jax.jit(opt.update)(grads, opt.init(params), params)
-    assert bool(state.grads_finite) and int(state.skipped_steps) == 0
+    assert bool(state.step_applied) and int(state.skipped_steps) == 0
     assert np.all(np.asarray(updates["w"]) < 0)
 
 
@@ -617,8 +617,9 @@ class TestComposition:
 
 class TestAccessorsAndHelpers:
   def _state(self):
+    # A chain of one: a transform before or after mixed_precision is a
+    # placement error (tests/test_misuse.py).
     opt = optax.chain(
-      optax.scale(1.0),
       jaxmp.mixed_precision(
         optax.sgd(0.1),
         loss_scale=dynamic_loss_scale(
@@ -632,16 +633,16 @@ class TestAccessorsAndHelpers:
   def test_scale_loss_and_loss_scale_in_a_chain(self):
     _, _, state = self._state()
     assert float(jaxmp.scale_loss(jnp.float32(0.5), state)) == 8.0
-    ls = jaxmp.loss_scale(state)
+    ls = jaxmp.loss_scaler(state)
     assert isinstance(ls, jmp.DynamicLossScale)
     assert float(ls.loss_scale) == 16.0 and float(ls.min_loss_scale) == 2.0
     assert sorted(jaxmp.stats(state)) == [
       "consecutive_nonfinite_loss",
-      "consecutive_skips",
-      "grads_finite",
+      "consecutive_overflows",
       "loss_scale",
       "nonfinite_loss_steps",
       "skipped_steps",
+      "step_applied",
     ]
 
   def test_missing_state_is_a_clear_error(self):
@@ -784,7 +785,7 @@ class TestPolicies:
       o2.name = "x"
     assert o2.name == "O2"
 
-  @pytest.mark.parametrize("spec", ["O4", "fp16", "p=f99", "", 3])
+  @pytest.mark.parametrize("spec", ["O4", "fp16", "p=f99", ""])
   def test_unknown_spec_lists_valid_ones(self, spec):
     with pytest.raises(ValueError, match=r"O0, O1, O2, O3, bf16"):
       jaxmp.get_policy(spec)

@@ -41,7 +41,7 @@ def test_jit_over_sharded_grads_skips_globally():
   sharded = jax.device_put({"w": grads}, NamedSharding(mesh, P("data")))
   assert len(sharded["w"].addressable_shards) == 4
   updates, state = jax.jit(opt.update)(sharded, state, params)
-  assert not bool(state.grads_finite)
+  assert not bool(state.step_applied)
   assert optax.apply_updates(params, updates)["w"].tolist() == [1.0] * 8
   assert float(state.loss_scale) == 4.0  # static scale
 
@@ -70,7 +70,7 @@ def test_shard_map_unreduced_grads_with_axis_name_skip_together(dtype):
     # pmin makes the flag, hence scale and counters, device-invariant: P().
     return new[None], (
       state.loss_scale,
-      state.grads_finite,
+      state.step_applied,
       state.skipped_steps,
       state.growth_counter,
     )
@@ -159,7 +159,7 @@ def test_shard_map_replicated_params_pmeaned_grads(bad):
   for k in params:
     np.testing.assert_array_equal(new[k], np.full(params[k].shape, expected))
   assert float(new_state.loss_scale) == (2.0 if bad else 4.0)
-  assert bool(new_state.grads_finite) == (not bad)
+  assert bool(new_state.step_applied) == (not bad)
 
 
 def test_shard_map_sharded_params():

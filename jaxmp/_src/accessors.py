@@ -5,6 +5,7 @@ Users wrap `jaxmp.mixed_precision` in their own chains, `optax.MultiSteps`,
 state wherever it sits, so the training step never has to know the nesting.
 """
 
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -16,6 +17,8 @@ import optax
 from jaxmp._src import accumulation
 from jaxmp._src import diagnostics as diag
 from jaxmp._src import mixed_precision as mp
+from jaxmp._src import nnx_support
+from jaxmp._src import placement
 
 
 def _host(x) -> np.ndarray:
@@ -57,6 +60,8 @@ def find_state(opt_state: Any) -> mp.MixedPrecisionState:
       "jaxmp.mixed_precision(...) and pass the state it initialised"
     )
   if len(found) > 1:
+    if any(_contains_mp(x.inner_state) for x in found):
+      mp._check_inner_state(found[0].inner_state)  # pylint: disable=protected-access
     raise ValueError(
       f"found {len(found)} jaxmp.mixed_precision states in opt_state; use "
       "one mixed_precision around the whole optimizer (wrap multi_transform "
@@ -77,14 +82,54 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
 
   Returns:
     ``loss * scale`` in fp32 (or in ``loss``'s dtype if it is wider).
+
+  Raises:
+    ValueError: when ``mixed_precision`` is not the outermost transform of
+      ``opt_state`` (nor directly inside `jaxmp.multi_steps`).
+
+  `jaxmp.value_and_grad` does this and the gradient in one call, and hands
+  the unscaled loss back. Inside a traced function ``opt_state`` must be an
+  argument of it: one read from a global or a closure is a constant of the
+  compiled program, with a stale scale; it warns once.
   """
+  state = locate(opt_state, "jaxmp.scale_loss")
+  return scaled(loss, state.loss_scale)
+
+
+def locate(opt_state: Any, caller: str) -> mp.MixedPrecisionState:
+  """`find_state`, with the placement checked and a captured state warned."""
+  state = find_state(opt_state)
+  placement.check_placement(opt_state, state)
+  placement.warn_if_captured(state, caller)
+  return state
+
+
+def scaled(loss: jax.Array, scale: Any) -> jax.Array:
+  """``loss * scale`` in fp32 or wider (``scale`` may be an NNX variable)."""
   loss = jnp.asarray(loss)
   dtype = jnp.promote_types(loss.dtype, jnp.float32)
-  return loss.astype(dtype) * find_state(opt_state).loss_scale.astype(dtype)
+  scale = jax.tree_util.tree_leaves(scale)[0]
+  return loss.astype(dtype) * scale.astype(dtype)
 
 
-def loss_scale(opt_state: Any) -> mp.LossScale:
-  """Returns the current loss scale as a jmp object.
+def loss_scale(opt_state: Any) -> mp.LossScaler:
+  """Deprecated alias of `jaxmp.loss_scaler`, kept for one release."""
+  warnings.warn(
+    "jaxmp.loss_scale(opt_state) is deprecated and will be removed in the "
+    "next release: use jaxmp.loss_scaler(opt_state) (the jmp object; the "
+    "scale itself is jaxmp.stats(opt_state)['loss_scale'])",
+    DeprecationWarning,
+    stacklevel=2,
+  )
+  return loss_scaler(opt_state)
+
+
+def loss_scaler(opt_state: Any) -> mp.LossScaler:
+  """Returns the current loss scaler, the jmp object with the current scale.
+
+  The *loss scale* is the number the loss is multiplied by
+  (``jaxmp.stats(opt_state)["loss_scale"]``); the *loss scaler* is the jmp
+  object that also says how it moves. (Formerly ``jaxmp.loss_scale``.)
 
   Args:
     opt_state: the optax state holding a `mixed_precision` state.
@@ -92,6 +137,11 @@ def loss_scale(opt_state: Any) -> mp.LossScale:
   Returns:
     A `jmp.DynamicLossScale` (with this state's scale, counter, period, factor
     and floor), a `jmp.StaticLossScale` or a `jmp.NoOpLossScale`.
+
+  >>> import optax, jaxmp
+  >>> state = jaxmp.mixed_precision(optax.sgd(0.1)).init({})
+  >>> jaxmp.loss_scaler(state).loss_scale
+  Array(32768., dtype=float32)
   """
   state = find_state(opt_state)
   cfg = state.config
@@ -118,6 +168,10 @@ def master_params(opt_state: Any, params: Optional[Any] = None) -> Any:
   compensation`` (exact in fp32), with ``"stochastic"`` or ``"none"`` it is
   the upcast param.
 
+  Flax NNX: pass ``opt.opt_state`` and ``nnx.state(model, nnx.Param)`` as
+  they are; the variables are unwrapped and the masters come back as a
+  state of plain arrays.
+
   Args:
     opt_state: the optax state holding a `mixed_precision` state.
     params: the current params; needed only where the state holds no master.
@@ -128,7 +182,8 @@ def master_params(opt_state: Any, params: Optional[Any] = None) -> Any:
   Raises:
     ValueError: when a leaf has no master and ``params`` was not given.
   """
-  state = find_state(opt_state)
+  state = nnx_support.unwrap(find_state(opt_state))
+  params = nnx_support.unwrap(params)
   masters = state.master_params
   if params is None:
     missing = [
@@ -146,7 +201,7 @@ def master_params(opt_state: Any, params: Optional[Any] = None) -> Any:
         "jaxmp.master_params(opt_state, params)"
       )
     return masters
-  return mp._full_view(params, masters, state.compensation)  # pylint: disable=protected-access
+  return mp.full_view(params, state)
 
 
 def stats(opt_state: Any) -> dict[str, jax.Array]:
@@ -156,21 +211,59 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     opt_state: the optax state holding a `mixed_precision` state.
 
   Returns:
-    ``{"loss_scale", "grads_finite", "skipped_steps", "consecutive_skips",
-    "nonfinite_loss_steps", "consecutive_nonfinite_loss"}``; the last two
-    count steps skipped because the loss given to ``update(..., loss=)`` was
-    inf/NaN (also counted in ``skipped_steps``). Arrays stay on the device:
-    fetch them with `jax.device_get` on log steps.
+    ``{"loss_scale", "step_applied", "skipped_steps",
+    "consecutive_overflows", "nonfinite_loss_steps",
+    "consecutive_nonfinite_loss"}``: ``skipped_steps`` counts every step
+    not applied; ``consecutive_overflows`` the steps skipped for non-finite
+    gradients in a row; the last two the steps skipped because the loss
+    given to ``update(..., loss=)`` was inf/NaN (a NaN-loss step neither
+    counts in ``consecutive_overflows`` nor breaks its run). Arrays stay on
+    the device: fetch them with `jax.device_get` on log steps. The old keys
+    ``"grads_finite"`` and ``"consecutive_skips"`` still read, with a
+    `DeprecationWarning`, for one release.
   """
   state = find_state(opt_state)
-  return {
-    "loss_scale": state.loss_scale,
-    "grads_finite": state.grads_finite,
-    "skipped_steps": state.skipped_steps,
-    "consecutive_skips": state.consecutive_skips,
-    "nonfinite_loss_steps": state.nonfinite_loss_steps,
-    "consecutive_nonfinite_loss": state.consecutive_nonfinite_loss,
-  }
+  return Stats(
+    loss_scale=state.loss_scale,
+    step_applied=state.step_applied,
+    skipped_steps=state.skipped_steps,
+    consecutive_overflows=state.consecutive_overflows,
+    nonfinite_loss_steps=state.nonfinite_loss_steps,
+    consecutive_nonfinite_loss=state.consecutive_nonfinite_loss,
+  )
+
+
+_RENAMED_STATS = {
+  "grads_finite": "step_applied",
+  "consecutive_skips": "consecutive_overflows",
+}
+
+
+class Stats(dict):
+  """The dict of `stats`; the renamed keys still read, with a warning."""
+
+  def __missing__(self, key: str) -> Any:
+    """A renamed key: the new key's value, with a `DeprecationWarning`."""
+    if key not in _RENAMED_STATS:
+      raise KeyError(key)
+    new = _RENAMED_STATS[key]
+    warnings.warn(
+      f"jaxmp.stats(...)[{key!r}] is deprecated and will be removed in the "
+      f"next release; use [{new!r}]",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return self[new]
+
+
+jax.tree_util.register_pytree_with_keys(
+  Stats,
+  lambda s: (
+    tuple((jax.tree_util.DictKey(k), v) for k, v in sorted(s.items())),
+    tuple(sorted(s)),
+  ),
+  lambda keys, values: Stats(zip(keys, values)),
+)
 
 
 def overflow_report(opt_state: Any) -> diag.OverflowReport:
@@ -233,7 +326,7 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
   Roll back the caller's other mutable state with it: Flax ``batch_stats``
   updated by the forward pass of an overflowed step, an EMA of the params.
 
-  Without accumulation the test is ``mixed_precision``'s ``grads_finite``:
+  Without accumulation the test is ``mixed_precision``'s ``step_applied``:
   ``old`` is kept exactly when the update was skipped. Under
   `jaxmp.multi_steps` it is the flag of the microbatch just accumulated, as
   `jaxmp.multi_steps` checks each one: ``old`` is kept exactly for the
@@ -241,21 +334,29 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
   they belong to ends skipped or not. A skipped window so keeps the
   statistics of its finite microbatches (forward passes of params that did
   not change, as valid as in an applied window), and no forward pass of an
-  overflowed microbatch ever reaches the state. (``grads_finite`` would be
+  overflowed microbatch ever reaches the state. (``step_applied`` would be
   stale mid-window: it only moves when a window ends.) A plain
   `optax.MultiSteps` around ``mixed_precision`` is rejected, for that
   reason.
 
+  Flax NNX: ``new`` may be the model itself: the variables of the types in
+  ``old`` (an ``nnx.State``) are then put back in place, and the model is
+  returned. ``old`` must be a copy taken before the forward pass,
+  ``nnx.clone(nnx.state(model, nnx.BatchStat))``: ``nnx.state`` alone holds
+  the live variables, which the forward pass updates in place, and is
+  rejected.
+
   Args:
     opt_state: the optax state *after* ``update`` for this step.
-    new: the tree computed during this step.
+    new: the tree computed during this step (or an NNX model).
     old: the same tree before this step.
 
   Returns:
     ``new`` where the step's gradients were finite, ``old`` elsewhere.
 
   Raises:
-    ValueError: for an `optax.MultiSteps` around ``mixed_precision``.
+    ValueError: for an `optax.MultiSteps` around ``mixed_precision``, and for
+      an ``old`` that holds the very NNX variables of ``new``.
 
   >>> import jax.numpy as jnp, optax, jaxmp
   >>> opt = jaxmp.mixed_precision(optax.sgd(0.1))
@@ -267,8 +368,19 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
   """
   finite = _accumulation_flag(opt_state)
   if finite is None:
-    finite = find_state(opt_state).grads_finite
-  return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    finite = find_state(opt_state).step_applied
+  finite = jax.tree_util.tree_leaves(finite)[0]  # An NNX variable's array.
+  nnx_support.check_not_aliased(new, old)
+  select = lambda n, o: jnp.where(finite, n, o)
+  if not nnx_support.is_module(new):
+    return jax.tree.map(select, new, old)
+  nnx = nnx_support.nnx()
+  kinds = list(dict.fromkeys(type(v) for v in nnx_support.variables(old)))
+  if not kinds:
+    return new
+  live = nnx.state(new, kinds[0] if len(kinds) == 1 else nnx.Any(*kinds))
+  nnx.update(new, jax.tree.map(select, live, old))
+  return new
 
 
 def _accumulation_flag(opt_state: Any) -> Optional[jax.Array]:
@@ -293,6 +405,32 @@ def _contains_mp(tree: Any) -> bool:
   return any(map(is_mp, jax.tree_util.tree_leaves(tree, is_leaf=is_mp)))
 
 
+def nonfinite_loss_message(first: int, last: int, scale: float) -> str:
+  """What a run of NaN/inf losses can mean, and how to tell the causes apart."""
+  import jaxmp  # pylint: disable=g-import-not-at-top
+
+  if hasattr(jaxmp, "autocast"):
+    find = (
+      "run the step's loss function under jaxmp.autocast(loss_fn, "
+      "debug=True), whose report names the first forward op that "
+      "overflowed, or run the step in fp32"
+    )
+  else:
+    find = (
+      "run the same step in fp32 (the O0 preset): a finite loss there "
+      "means an fp16 overflow"
+    )
+  return (
+    f"the loss itself was NaN/inf at steps {first}..{last} "
+    f"({last - first + 1} in a row). Three causes: bad input data (check "
+    "the batch for NaN/inf), a diverged model (lower the learning rate), or "
+    "an fp16 overflow in the forward pass, in the activations, which no "
+    "loss scale can fix (it only scales the backward pass). To tell: "
+    f"{find}. The steps were skipped and the loss scale was left at "
+    f"{scale:g}"
+  )
+
+
 def check_health(
   opt_state: Any,
   step: int,
@@ -306,8 +444,9 @@ def check_health(
 
   * a non-finite loss: ``max_nonfinite_loss_steps`` or more steps in a row
     whose loss, given to ``update(..., loss=loss)``, was inf/NaN. The loss
-    scale is not the cause (it is left alone on those steps): bad input data
-    or a diverged model is.
+    scale is not the cause (it is left alone on those steps): bad input
+    data, a diverged model, or an fp16 overflow of the forward pass's
+    activations is (the message says how to tell them apart).
   * a collapsed loss scale: ``max_consecutive_skips`` or more steps in a row
     skipped for non-finite gradients with the scale at its floor (a static
     scale always is): nan/inf that loss scaling cannot fix. Without
@@ -331,14 +470,12 @@ def check_health(
     bad = int(_host(state.consecutive_nonfinite_loss))
     if bad >= max_nonfinite_loss_steps:
       raise NonFiniteLossError(
-        f"the loss itself was NaN/inf at steps {step - bad + 1}..{step} "
-        f"({bad} in a row): bad input data or a diverged model, not an fp16 "
-        "overflow; the steps were skipped and the loss scale was left at "
-        f"{float(_host(state.loss_scale)):g}. Check the data for NaN/inf and "
-        "lower the learning rate"
+        nonfinite_loss_message(
+          step - bad + 1, step, float(_host(state.loss_scale))
+        )
       )
   skips, scale = (
-    int(_host(state.consecutive_skips)),
+    int(_host(state.consecutive_overflows)),
     float(_host(state.loss_scale)),
   )
   cfg = state.config

@@ -13,7 +13,7 @@ half gradients:
   microbatches in fp32 and hands the fp32 mean on (`mixed_precision` unscales
   in fp32 anyway);
 * its state says nothing about the microbatch just seen: `mixed_precision`'s
-  ``grads_finite`` only moves when a window ends, so mid-window it is stale.
+  ``step_applied`` only moves when a window ends, so mid-window it is stale.
   `multi_steps` checks every microbatch and keeps the flag in its state, for
   `jaxmp.rollback_if_skipped`;
 * its ``lax.cond`` on the skip hook fails under ``shard_map`` with its default
@@ -108,13 +108,13 @@ def multi_steps(
   opt = optax.with_extra_args_support(opt)
 
   def init_fn(params):
-    return AccumulationState(reference.init(params), jnp.ones([], jnp.bool_))
+    state = AccumulationState(reference.init(params), jnp.ones([], jnp.bool_))
+    _check_inside(state)
+    return state
 
   def update_fn(updates, state, params=None, **extra_args):
     ms = state.multi_steps
-    finite = mp.all_finite(updates)
-    if axis_name is not None:
-      finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
+    finite = mp.all_devices(mp.all_finite(updates), axis_name)
     if should_skip is None:
       skip, skip_state = jnp.zeros([], jnp.bool_), ms.skip_state
     else:
@@ -152,3 +152,13 @@ def multi_steps(
     return updates, AccumulationState(ms, finite & ~skip)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_inside(state: AccumulationState) -> None:
+  """A `mixed_precision` inside must be directly inside (see `placement`)."""
+  from jaxmp._src import placement  # pylint: disable=g-import-not-at-top
+
+  is_mp = lambda x: isinstance(x, mp.MixedPrecisionState)
+  for x in jax.tree_util.tree_leaves(state, is_leaf=is_mp):
+    if is_mp(x):
+      placement.check_placement(state, x)

@@ -105,8 +105,9 @@ def calibrate_loss_scale(
     ok, loss_ok = jax.device_get(probe(jnp.float32(2.0**e), params, *args))
     if not loss_ok:
       raise ValueError(
-        "the loss itself is NaN/inf (bad input data or a diverged model): "
-        "no loss scale makes its gradients finite"
+        "the loss itself is NaN/inf: bad input data, a diverged model, or "
+        "an fp16 overflow in the forward pass (the activations), which no "
+        "loss scale can fix; run the loss in fp32 to tell them apart"
       )
     return bool(ok)
 

@@ -140,12 +140,7 @@ def conv_by_im2col(
   ho = (x.shape[1] - kh) // sh + 1
   wo = (x.shape[2] - kw) // sw + 1
   windows = [
-    lax.slice(
-      x,
-      (0, i, j, 0),
-      (n, i + sh * (ho - 1) + 1, j + sw * (wo - 1) + 1, c),
-      (1, sh, sw, 1),
-    )
+    strided_tap(x, i, j, strides, (ho, wo))
     for i in range(kh)
     for j in range(kw)
   ]
@@ -236,7 +231,6 @@ def kernel_grad_by_taps(
   """
   kh, kw, c, o = kernel_shape
   n, ho, wo, _ = dy.shape
-  sh, sw = strides
   x = jnp.pad(lhs, ((0, 0), tuple(padding[0]), tuple(padding[1]), (0, 0)))
   rows = n * ho * wo
   groups = math.gcd(n, 8) if rows >= _GROUP_ROWS * c * o else 1
@@ -244,12 +238,7 @@ def kernel_grad_by_taps(
   taps = []
   for i in range(kh):
     for j in range(kw):
-      window = lax.slice(
-        x,
-        (0, i, j, 0),
-        (n, i + sh * (ho - 1) + 1, j + sw * (wo - 1) + 1, c),
-        (1, sh, sw, 1),
-      )
+      window = strided_tap(x, i, j, strides, (ho, wo))
       window = window.reshape(groups, rows // groups, c)
       # Batched over the groups, then summed: independent products that
       # XLA:CPU spreads over its threads (one long contraction it does not).
@@ -262,3 +251,28 @@ def kernel_grad_by_taps(
       )
       taps.append(tap.sum(0))
   return jnp.stack(taps).reshape(kh, kw, c, o)
+
+
+def strided_tap(
+  x: jax.Array, i: int, j: int, strides: Sequence[int], out_hw: Sequence[int]
+) -> jax.Array:
+  """Tap ``(i, j)`` of a window over NHWC ``x``: ``x[:, i::sh, j::sw]``.
+
+  Args:
+    x: the (padded) input, ``[n, h, w, c]``.
+    i: the tap's row within the window.
+    j: the tap's column within the window.
+    strides: ``(sh, sw)``.
+    out_hw: ``(ho, wo)``, the output pixels: the tap holds that many.
+
+  Returns:
+    ``[n, ho, wo, c]``: the input pixel under tap ``(i, j)`` of every window.
+  """
+  n, _, _, c = x.shape
+  (sh, sw), (ho, wo) = strides, out_hw
+  return lax.slice(
+    x,
+    (0, i, j, 0),
+    (n, i + sh * (ho - 1) + 1, j + sw * (wo - 1) + 1, c),
+    (1, sh, sw, 1),
+  )

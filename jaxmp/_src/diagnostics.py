@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+from jaxmp._src import dtypes
 
 # zero_fraction of a leaf whose gradient is not half precision: not measured.
 # A sentinel rather than NaN, so that jax_debug_nans stays quiet.
@@ -69,7 +69,7 @@ def init_diagnostics(params) -> GradDiagnostics:
     nonfinite=jnp.zeros([len(leaves)], jnp.int32),
     max_abs=jnp.zeros([len(leaves)], jnp.float32),
     zero_fraction=_stack(
-      [0.0 if jnp.dtype(x.dtype) in _HALF else NOT_HALF for x in leaves],
+      [0.0 if dtypes.is_half(x) else NOT_HALF for x in leaves],
       jnp.float32,
     ),
     paths=_paths(params),
@@ -98,7 +98,7 @@ def grad_diagnostics(
     ok = jnp.isfinite(u)
     nonfinite.append(jnp.sum(~ok, dtype=jnp.int32))
     max_abs.append(jnp.max(jnp.where(ok, jnp.abs(u), 0.0), initial=0.0))
-    if jnp.dtype(g.dtype) in _HALF:
+    if dtypes.is_half(g):
       tiny = jnp.finfo(g.dtype).tiny  # smallest normal: below it, subnormal
       small = jnp.sum(jnp.abs(g) < tiny, dtype=jnp.int32)
       zero_fraction.append(small.astype(jnp.float32) / max(g.size, 1))
@@ -171,7 +171,14 @@ class OverflowReport(list):
   def __str__(self) -> str:
     """A header naming the first offending leaf, then the worst rows."""
     bad = self.offending
-    if bad:
+    if self and len(bad) == len(self):
+      head = (
+        f"every gradient leaf is non-finite ({len(self)} of {len(self)}), so "
+        "no leaf is to blame and the rows below are in leaf order: a NaN/inf "
+        "loss, bad input data or an fp16 overflow in the forward pass (the "
+        "activations) is the cause, not one layer's gradient"
+      )
+    elif bad:
       head = (
         f"non-finite gradients in {len(bad)} of {len(self)} leaves; first: "
         f"{bad[0].path} ({bad[0].nonfinite} non-finite)"
@@ -200,15 +207,18 @@ def report(
 
   Returns:
     An `OverflowReport` sorted by ``nonfinite`` then ``max_abs``, both
-    descending; ties keep the leaf order.
+    descending; ties keep the leaf order. When every leaf is non-finite the
+    counts only measure the leaves' sizes: the rows keep the leaf order and
+    the report's ``str`` says so.
   """
   nonfinite = np.asarray(diagnostics.nonfinite).reshape(-1)
   max_abs = np.asarray(diagnostics.max_abs).reshape(-1)
   zero = np.asarray(diagnostics.zero_fraction).reshape(-1)
-  order = sorted(
-    range(len(diagnostics.paths)),
-    key=lambda i: (-int(nonfinite[i]), -float(max_abs[i]), i),
-  )
+  order = range(len(diagnostics.paths))
+  if not (nonfinite > 0).all():
+    order = sorted(
+      order, key=lambda i: (-int(nonfinite[i]), -float(max_abs[i]), i)
+    )
   out = OverflowReport(
     LeafRow(
       path=diagnostics.paths[i],

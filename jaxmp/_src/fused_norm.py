@@ -29,6 +29,7 @@ Flax module with the same arguments, parameters (``scale``, ``bias``),
 ``flax.linen.BatchNorm``, so the two are interchangeable.
 """
 
+import dataclasses
 import functools
 from typing import Any, Callable, Optional
 
@@ -97,47 +98,39 @@ def _pre_activation(xf, mean, rstd, scale, bias, residual):
   return y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _fused_train(
-  x,
-  scale,
-  bias,
-  residual,
-  epsilon,
-  relu,
-  axis_name,
-  dtype,
-  res_dtype,
-  vmas,
-):
-  out, _ = _fused_train_fwd(
-    x,
-    scale,
-    bias,
-    residual,
-    epsilon,
-    relu,
-    axis_name,
-    dtype,
-    res_dtype,
-    vmas,
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """The static (hashable, non-differentiable) arguments of the fused op.
+
+  Attributes:
+    epsilon: added to the variance.
+    relu: whether a ReLU follows.
+    axis_name: mapped axis of the statistics, or ``None``.
+    dtype: the output dtype.
+    res_dtype: the residual's dtype, ``None`` without a residual.
+    vmas: the varying mesh axes of ``(x, scale, bias, residual)``.
+  """
+
+  epsilon: float
+  relu: bool
+  axis_name: Optional[str]
+  dtype: Any
+  res_dtype: Any
+  vmas: tuple[frozenset, ...]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_train(x, scale, bias, residual, static: _Static):
+  return _fused_train_fwd(x, scale, bias, residual, static)[0]
+
+
+def _fused_train_fwd(x, scale, bias, residual, static: _Static):
+  epsilon, relu, axis_name, dtype = (
+    static.epsilon,
+    static.relu,
+    static.axis_name,
+    static.dtype,
   )
-  return out
-
-
-def _fused_train_fwd(
-  x,
-  scale,
-  bias,
-  residual,
-  epsilon,
-  relu,
-  axis_name,
-  dtype,
-  res_dtype,
-  vmas,
-):
-  del res_dtype, vmas  # Only needed in the backward pass.
   sdt = _stat_dtype(x.dtype, scale.dtype, bias.dtype)
   xf = x.astype(sdt)
   mean, var = _moments(xf, axis_name)
@@ -154,10 +147,13 @@ def _fused_train_fwd(
   return (y, mean, var), saved
 
 
-def _fused_train_bwd(
-  epsilon, relu, axis_name, dtype, res_dtype, vmas, saved, cotangents
-):
-  del epsilon, dtype  # Only needed in the forward pass.
+def _fused_train_bwd(static: _Static, saved, cotangents):
+  relu, axis_name, res_dtype, vmas = (
+    static.relu,
+    static.axis_name,
+    static.res_dtype,
+    static.vmas,
+  )
   x, mean, rstd, scale, bias, saved_y = saved
   dy = cotangents[0]  # The returned statistics are stop_gradient-ed.
   sdt = mean.dtype
@@ -235,18 +231,8 @@ def fused_batch_norm(
   vmas = tuple(
     frozenset() if a is None else _vma(a) for a in (x, scale, bias, residual)
   )
-  y, mean, var = _fused_train(
-    x,
-    scale,
-    bias,
-    residual,
-    epsilon,
-    relu,
-    axis_name,
-    dtype,
-    res_dtype,
-    vmas,
-  )
+  static = _Static(epsilon, relu, axis_name, dtype, res_dtype, vmas)
+  y, mean, var = _fused_train(x, scale, bias, residual, static)
   return y, jax.lax.stop_gradient(mean), jax.lax.stop_gradient(var)
 
 

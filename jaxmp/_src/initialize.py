@@ -79,7 +79,7 @@ def initialize(
   >>> params, opt = jaxmp.initialize(params, optax.sgd(0.1), "O2")
   >>> params["Dense_0"]["kernel"].dtype, params["BatchNorm_0"]["scale"].dtype
   (dtype('float16'), dtype('float32'))
-  >>> jaxmp.loss_scale(opt.init(params)).loss_scale
+  >>> jaxmp.loss_scaler(opt.init(params)).loss_scale
   Array(32768., dtype=float32)
   """
   preset = (

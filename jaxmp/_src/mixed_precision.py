@@ -1,75 +1,61 @@
 """`mixed_precision`: FP32 masters and dynamic loss scaling in one transform.
 
-The loss-scale rule is jmp's, which is also `torch.amp.GradScaler`'s::
+An optax transform in the shape of `optax.apply_if_finite`: a factory of two
+pure closures around an inner optimizer, its hyperparameters in the closure,
+its state a `NamedTuple`. Each ``update`` is four named steps:
 
-    # grads are the gradients of loss * scale; every step:
-    grads = grads / scale                     # fp32, with the forward's scale
-    finite = all(isfinite(grads))             # one flag for the whole tree
-    if finite:
-      masters, inner_state = inner.update(grads, masters)   # step applied
-      counter += 1
-      if counter == period:                   # the period-th finite step
-        counter = 0
-        if isfinite(scale * factor):
-          scale = min(scale * factor, max_loss_scale)
-    else:                                     # step skipped, nothing changes
-      counter = 0
-      overflows += 1                          # consecutive overflows
-      if overflows >= hysteresis:             # hysteresis=1: every overflow
-        scale = max(scale / factor, min_loss_scale)
+1. `_finite_flags`: are the gradients (and the loss, when given) finite, on
+   every device of ``axis_name``;
+2. the inner step: unscale in fp32, run ``inner`` on the fp32 view of the
+   params that the master-weights mode gives (`jaxmp._src.master_weights`:
+   one small object per mode), keep its state only if the step is applied;
+3. `_outer_updates`: the half params' updates that land them on the mode's
+   targets (``cast(master)`` for fp32 masters), ``-0.0`` on a skipped step;
+4. `_next_counters`: the loss-scale rule (`jaxmp._src.loss_scale`) and the
+   skip counters.
 
-It is written branch-free with `jnp.where`: the selects fuse into the
-elementwise kernels of the optimizer update, so a skipped step costs no extra
-pass over the params and the step stays one straight-line XLA program (a
-`lax.cond` would split it into separately scheduled computations).
+A skipped step is written branch-free with `jnp.where`: the selects fuse into
+the elementwise kernels of the optimizer update, so a skipped step costs no
+extra pass over the params and the step stays one straight-line XLA program
+(a `lax.cond` would split it into separately scheduled computations).
 
-Hyperparameters live in the closure. The state also carries them as a static
-`LossScaleConfig` (part of the pytree *structure*, never a leaf), so that
-`jit`, `device_put` and checkpoint round trips keep `min_loss_scale` and
-`max_loss_scale`: jmp's `DynamicLossScale` flattens to `(loss_scale, counter)`
-only and comes back from `jit` with `min_loss_scale=1`.
+Names: a step is *applied* when its gradients are finite (``grads_finite``,
+the flag the loss-scale rule reads) and so is its loss, when given
+(``loss_finite``). ``skipped_steps`` counts every step not applied, for
+either reason; ``consecutive_overflows`` counts the steps skipped for
+non-finite gradients in a row (a step skipped for a non-finite loss neither
+counts nor breaks the run: it is counted in ``nonfinite_loss_steps`` and
+``consecutive_nonfinite_loss``).
 """
 
-import dataclasses
 import warnings
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import jmp
 import numpy as np
 import optax
 
 from jaxmp._src import diagnostics as diag
-from jaxmp._src import rounding
+from jaxmp._src import dtypes
+from jaxmp._src import loss_scale as loss_scale_lib
+from jaxmp._src import master_weights as masters_lib
 
-LossScale = Union[jmp.NoOpLossScale, jmp.StaticLossScale, jmp.DynamicLossScale]
-
-_HALF = (jnp.float16, jnp.bfloat16)
-
-
-@dataclasses.dataclass(frozen=True)
-class LossScaleConfig:
-  """Static description of the loss scale, kept in the state's treedef.
-
-  Attributes:
-    kind: ``"dynamic"``, ``"static"`` or ``"noop"``.
-    period: finite steps between two growths.
-    factor: growth and back-off factor.
-    min_loss_scale: floor of the scale.
-    max_loss_scale: cap of the scale (``inf``: only never grow to inf).
-    hysteresis: back off only from the ``hysteresis``-th consecutive overflow.
-  """
-
-  kind: str
-  period: int = 2000
-  factor: float = 2.0
-  min_loss_scale: float = 1.0
-  max_loss_scale: float = float("inf")
-  hysteresis: int = 1
+# Re-exported: the public names live here since the first release.
+LossScaler = loss_scale_lib.LossScaler
+LossScale = LossScaler  # The old name, kept for one release (deprecated).
+LossScaleConfig = loss_scale_lib.LossScaleConfig
+adjust_loss_scale = loss_scale_lib.adjust_loss_scale
+MASTER_WEIGHTS = masters_lib.MODES
 
 
-jax.tree_util.register_static(LossScaleConfig)
+def _deprecated(old: str, new: str) -> None:
+  warnings.warn(
+    f"MixedPrecisionState.{old} is deprecated and will be removed in the "
+    f"next release; use .{new}",
+    DeprecationWarning,
+    stacklevel=3,
+  )
 
 
 class MixedPrecisionState(NamedTuple):
@@ -82,12 +68,14 @@ class MixedPrecisionState(NamedTuple):
     loss_scale: fp32 scalar; multiply the next loss by it.
     growth_counter: int32, consecutive finite steps since the last growth
       (jmp's ``counter``, GradScaler's ``growth_tracker``).
-    grads_finite: bool, whether the last step was applied: its gradients
+    step_applied: bool, whether the last step was applied: its gradients
       (and its loss, when ``update`` was given ``loss=``) were all finite.
+      (Formerly ``grads_finite``, a deprecated alias for one release.)
     skipped_steps: int32, how many steps were skipped since `init`, for
       either reason.
-    consecutive_skips: int32, steps skipped for non-finite gradients in a row
-      up to now (a step skipped for a non-finite loss leaves it unchanged).
+    consecutive_overflows: int32, steps skipped for non-finite gradients in
+      a row up to now; a step skipped for a non-finite loss leaves it
+      unchanged. (Formerly ``consecutive_skips``, a deprecated alias.)
     config: static `LossScaleConfig` (structure, not a leaf).
     nonfinite_loss_steps: int32, steps skipped since `init` because the loss
       given to ``update`` was inf/NaN (``loss=``).
@@ -105,9 +93,9 @@ class MixedPrecisionState(NamedTuple):
   master_params: Any
   loss_scale: jax.Array
   growth_counter: jax.Array
-  grads_finite: jax.Array
+  step_applied: jax.Array
   skipped_steps: jax.Array
-  consecutive_skips: jax.Array
+  consecutive_overflows: jax.Array
   config: LossScaleConfig
   nonfinite_loss_steps: Optional[jax.Array] = None
   consecutive_nonfinite_loss: Optional[jax.Array] = None
@@ -115,177 +103,17 @@ class MixedPrecisionState(NamedTuple):
   compensation: Any = None
   rounding_key: Optional[jax.Array] = None
 
+  @property
+  def grads_finite(self) -> jax.Array:
+    """Deprecated: `step_applied` (it was never the gradient flag alone)."""
+    _deprecated("grads_finite", "step_applied")
+    return self.step_applied
 
-MASTER_WEIGHTS = ("fp32", "none", "kahan", "stochastic")
-
-
-def _master_mode(master_weights) -> str:
-  """``True``/``False`` or a name of `MASTER_WEIGHTS`, as the name."""
-  if isinstance(master_weights, (bool, np.bool_)):
-    return "fp32" if master_weights else "none"
-  if isinstance(master_weights, str) and master_weights in MASTER_WEIGHTS:
-    return master_weights
-  raise ValueError(
-    "master_weights must be True/'fp32', False/'none', 'kahan' or "
-    f"'stochastic', got {master_weights!r}"
-  )
-
-
-def _raw_key(key) -> jax.Array:
-  """The raw ``uint32[2]`` threefry key of an int seed or a PRNG key."""
-  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-    with jax.ensure_compile_time_eval():  # Concrete, also inside jit.
-      return jax.random.key_data(jax.random.key(int(key)))
-  if isinstance(key, jax.Array) and jnp.issubdtype(
-    key.dtype, jax.dtypes.prng_key
-  ):
-    if key.shape != () or jax.random.key_impl(key) != jax.random.key_impl(
-      jax.random.key(0)
-    ):
-      raise ValueError(
-        "rounding_key must be one PRNG key of the default (threefry) "
-        f"implementation, got {key!r}"
-      )
-    return jax.random.key_data(key)
-  if (
-    isinstance(key, (jax.Array, np.ndarray))
-    and key.shape == (2,)
-    and key.dtype == np.uint32
-  ):
-    return jnp.asarray(key)
-  raise ValueError(
-    "rounding_key must be an int seed, a jax.random.key or a raw uint32[2] "
-    f"key, got {key!r}"
-  )
-
-
-def _config_from(
-  loss_scale: Optional[Union[LossScale, float]],
-  max_loss_scale: Optional[float],
-  hysteresis: int,
-) -> tuple[LossScaleConfig, float]:
-  """Validates the user's loss scale; returns (config, initial scale)."""
-  if loss_scale is None:
-    loss_scale = jmp.DynamicLossScale(np.float32(2.0**15))
-  if _is_number(loss_scale):
-    loss_scale = jmp.StaticLossScale(
-      np.float32(_concrete(loss_scale, "loss_scale"))
-    )
-  if not _is_number(hysteresis) or _concrete(hysteresis, "hysteresis") < 1:
-    raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
-  hysteresis = int(_concrete(hysteresis, "hysteresis"))
-  cap = (
-    float("inf")
-    if max_loss_scale is None
-    else _concrete(max_loss_scale, "max_loss_scale")
-  )
-  if isinstance(loss_scale, jmp.NoOpLossScale):
-    return LossScaleConfig("noop", min_loss_scale=1.0, max_loss_scale=1.0), 1.0
-  if isinstance(loss_scale, jmp.StaticLossScale):
-    value = _concrete(loss_scale.loss_scale, "StaticLossScale.loss_scale")
-    _check_positive(value, "loss_scale")
-    return LossScaleConfig(
-      "static", min_loss_scale=value, max_loss_scale=value
-    ), value
-  if isinstance(loss_scale, jmp.DynamicLossScale):
-    value = _concrete(loss_scale.loss_scale, "DynamicLossScale.loss_scale")
-    floor = _concrete(
-      loss_scale.min_loss_scale, "DynamicLossScale.min_loss_scale"
-    )
-    _check_positive(value, "loss_scale")
-    _check_positive(floor, "min_loss_scale")
-    if int(loss_scale.period) < 1:
-      raise ValueError(f"period must be >= 1, got {loss_scale.period!r}")
-    if not float(loss_scale.factor) > 1:
-      raise ValueError(f"factor must be > 1, got {loss_scale.factor!r}")
-    if not floor <= cap:
-      raise ValueError(f"min_loss_scale={floor} is above max_loss_scale={cap}")
-    clamped = min(max(value, floor), cap)
-    if clamped != value:
-      warnings.warn(
-        f"initial loss scale {value} is outside [min_loss_scale={floor}, "
-        f"max_loss_scale={cap}]; it starts at {clamped}",
-        stacklevel=3,
-      )
-    value = clamped
-    return LossScaleConfig(
-      "dynamic",
-      int(loss_scale.period),
-      float(loss_scale.factor),
-      floor,
-      cap,
-      hysteresis,
-    ), value
-  raise TypeError(
-    "loss_scale must be None (dynamic, 2**15), a positive number (static), "
-    "jmp.DynamicLossScale, jmp.StaticLossScale or jmp.NoOpLossScale; got "
-    f"{loss_scale!r}"
-  )
-
-
-def _is_number(x) -> bool:
-  """A Python/NumPy number or a 0-d array (optax.inject_hyperparams)."""
-  if isinstance(x, bool):
-    return False
-  return isinstance(x, (int, float, np.number)) or (
-    isinstance(x, (np.ndarray, jax.Array)) and np.ndim(x) == 0
-  )
-
-
-def _concrete(x, name: str) -> float:
-  try:
-    return float(np.asarray(x))
-  except (TypeError, jax.errors.ConcretizationTypeError) as e:
-    raise ValueError(
-      f"{name} must be a concrete number, not a traced value; with "
-      "optax.inject_hyperparams(jaxmp.mixed_precision, static_args=("
-      f"'{name}',)) it stays static"
-    ) from e
-
-
-def _check_positive(value: float, name: str) -> None:
-  if not (np.isfinite(value) and value > 0):
-    raise ValueError(f"{name} must be finite and > 0, got {value}")
-
-
-def adjust_loss_scale(
-  config: LossScaleConfig,
-  loss_scale: jax.Array,
-  growth_counter: jax.Array,
-  consecutive_skips: jax.Array,
-  grads_finite: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-  """One step of the loss-scale rule (see the module docstring).
-
-  Args:
-    config: the static loss-scale description.
-    loss_scale: the scale the step's forward pass used.
-    growth_counter: finite steps in a row before this step.
-    consecutive_skips: overflowed steps in a row, this step included.
-    grads_finite: whether this step's gradients were finite.
-
-  Returns:
-    ``(new_loss_scale, new_growth_counter)``.
-  """
-  if config.kind != "dynamic":
-    return loss_scale, jnp.where(grads_finite, growth_counter + 1, 0)
-  counter = jnp.where(grads_finite, growth_counter + 1, 0)
-  grow = counter >= config.period
-  grown = loss_scale * config.factor
-  grown = jnp.minimum(
-    jnp.where(jnp.isfinite(grown), grown, loss_scale),
-    jnp.float32(config.max_loss_scale),
-  )
-  shrunk = jnp.maximum(
-    loss_scale / config.factor, jnp.float32(config.min_loss_scale)
-  )
-  back_off = consecutive_skips >= config.hysteresis
-  new_scale = jnp.where(
-    grads_finite,
-    jnp.where(grow, grown, loss_scale),
-    jnp.where(back_off, shrunk, loss_scale),
-  )
-  return new_scale.astype(jnp.float32), jnp.where(grow, 0, counter)
+  @property
+  def consecutive_skips(self) -> jax.Array:
+    """Deprecated: `consecutive_overflows`."""
+    _deprecated("consecutive_skips", "consecutive_overflows")
+    return self.consecutive_overflows
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -304,10 +132,14 @@ def all_finite(tree: Any) -> jax.Array:
   so when that fast test fails a `lax.cond` confirms with the exact one; the
   exact pass runs only on steps that look like overflows. Elsewhere the
   exact check fuses into one pass and a conditional would cost a host sync.
+
+  >>> import jax.numpy as jnp
+  >>> all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])})
+  Array(False, dtype=bool)
   """
   leaves = jax.tree_util.tree_leaves(tree)
-  half = [x for x in leaves if _is_half(x)]
-  full = [x for x in leaves if not _is_half(x)]
+  half = [x for x in leaves if dtypes.is_half(x)]
+  full = [x for x in leaves if not dtypes.is_half(x)]
   flags = [jnp.all(jnp.isfinite(x)) for x in half]
   if full:
     flags.append(
@@ -335,24 +167,22 @@ def _full_finite_cpu(leaves) -> jax.Array:
   )
 
 
-def _is_half(x) -> bool:
-  return jnp.dtype(x.dtype) in [jnp.dtype(d) for d in _HALF]
+def all_devices(flag: jax.Array, axis_name: Optional[str]) -> jax.Array:
+  """``flag`` and-ed over the devices of ``axis_name`` (as is for ``None``)."""
+  if axis_name is None:
+    return flag
+  return jax.lax.pmin(flag.astype(jnp.int32), axis_name).astype(bool)
 
 
-def _find_masked_nodes(tree) -> bool:
-  is_mn = lambda x: isinstance(x, optax.MaskedNode)
-  return any(map(is_mn, jax.tree_util.tree_leaves(tree, is_leaf=is_mn)))
-
-
-def _find_multisteps(tree) -> bool:
-  is_ms = lambda x: isinstance(x, optax.MultiStepsState)
-  return any(map(is_ms, jax.tree_util.tree_leaves(tree, is_leaf=is_ms)))
+def _contains(tree, kind) -> bool:
+  is_kind = lambda x: isinstance(x, kind)
+  return any(map(is_kind, jax.tree_util.tree_leaves(tree, is_leaf=is_kind)))
 
 
 def mixed_precision(
   inner: optax.GradientTransformation,
   *,
-  loss_scale: Optional[Union[LossScale, float]] = None,
+  loss_scale: Optional[Union[loss_scale_lib.LossScaler, float]] = None,
   max_loss_scale: Optional[float] = 2.0**24,
   hysteresis: int = 1,
   master_weights: Union[bool, str] = True,
@@ -363,11 +193,13 @@ def mixed_precision(
   """Wraps an optax optimizer with FP32 master params and loss scaling.
 
   The gradients given to ``update`` are those of ``loss * scale`` (use
-  `jaxmp.scale_loss`). They are unscaled in fp32 with the scale the forward
-  pass used and checked for inf/nan over the whole tree. A finite step runs
+  `jaxmp.value_and_grad`, or `jaxmp.scale_loss`). They are unscaled in fp32
+  with the scale the forward pass used and checked for inf/nan over the
+  whole tree. A finite step runs
   ``inner`` on the fp32 gradients and fp32 masters; a non-finite step returns
   zero updates and leaves masters and ``inner``'s state untouched. Then the
-  scale is adjusted (see the module docstring for the rule).
+  scale is adjusted by jmp's rule, which is GradScaler's (written out in
+  `jaxmp.adjust_loss_scale`'s module, `jaxmp/_src/loss_scale.py`).
 
   For every float16/bfloat16 param the state keeps an fp32 master, and the
   returned (fp32) updates satisfy ``optax.apply_updates(params, updates) ==
@@ -393,21 +225,30 @@ def mixed_precision(
   which quietly undoes the move (an fp32 param keeps it). Inside
   ``optax.multi_transform``/``optax.masked`` part of the gradients would never
   be unscaled nor checked: ``init`` rejects it; use
-  ``mixed_precision(optax.multi_transform(...))``.
+  ``mixed_precision(optax.multi_transform(...))``. The placement is checked,
+  at trace time, where the whole optimizer state is first seen:
+  `jaxmp.value_and_grad` and `jaxmp.scale_loss` reject a state whose
+  ``mixed_precision`` sits in a chain or inside another optax wrapper, the
+  ``init`` of a ``mixed_precision`` rejects one nested inside it (for example
+  the optimizer of `jaxmp.initialize` wrapped again), and `jaxmp.multi_steps`
+  rejects a misplaced one inside it; each error shows the right chain.
 
   For gradient accumulation put `jaxmp.multi_steps` (a fixed
   `optax.MultiSteps`) outside: ``jaxmp.multi_steps(mixed_precision(inner),
   k)``. The scale then stays fixed within an accumulation window and the
   window is skipped as a whole when any of its microbatches overflowed.
-  ``MultiSteps`` inside ``mixed_precision`` is rejected by ``init``.
+  ``MultiSteps`` inside ``mixed_precision`` is rejected by ``init``, and a
+  plain ``optax.MultiSteps`` around it by `jaxmp.value_and_grad`.
 
   ``update(grads, state, params, loss=loss)`` optionally takes the step's
   *unscaled* loss (it is not passed on to ``inner``). When the loss itself is
   inf/NaN (bad data, a diverged model) the step is skipped but the loss-scale
   rule does not see it: the scale, its growth counter and
-  ``consecutive_skips`` stay as they were, and the step is counted in
-  ``nonfinite_loss_steps`` instead (`jaxmp.check_health` tells the two
-  apart). Without ``loss=`` a NaN loss shows up as non-finite gradients and
+  ``consecutive_overflows`` stay as they were, and the step is counted in
+  ``nonfinite_loss_steps`` (and ``skipped_steps``) instead
+  (`jaxmp.check_health` tells the two apart). A non-finite loss can also be
+  an fp16 overflow in the forward pass (the activations), which no loss
+  scale fixes. Without ``loss=`` a NaN loss shows up as non-finite gradients and
   backs the scale off, as in every other scaler. Under `jaxmp.multi_steps`
   only the loss given with a window's last microbatch is checked.
 
@@ -478,68 +319,36 @@ def mixed_precision(
   >>> optax.apply_updates(params, updates)["w"]
   Array([0.5, 0.5, 0.5], dtype=float16)
   """
-  config, initial_scale = _config_from(loss_scale, max_loss_scale, hysteresis)
+  config, initial_scale = loss_scale_lib.config_from(
+    loss_scale, max_loss_scale, hysteresis
+  )
   if not isinstance(diagnostics, (bool, np.bool_)):
     raise TypeError(
       f"diagnostics must be a Python bool, got {diagnostics!r}; with "
       "optax.inject_hyperparams pass it in static_args"
     )
-  mode = _master_mode(master_weights)
-  # On the host: each ``init`` makes its own buffer (a donated state must not
-  # delete the key of another one).
-  key0 = _raw_key(rounding_key) if mode == "stochastic" else None
-  if key0 is not None and not isinstance(key0, jax.core.Tracer):
-    key0 = np.asarray(key0)
+  mode = masters_lib.get_mode(master_weights, rounding_key)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    if _find_masked_nodes(params):
-      raise ValueError(
-        "mixed_precision inside optax.multi_transform or optax.masked sees "
-        "only part of the params: the other groups' gradients are never "
-        "unscaled and their inf/nan never skips the step; wrap the whole "
-        "optimizer instead: jaxmp.mixed_precision(optax.multi_transform("
-        "...))"
-      )
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-      if not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
-        raise ValueError(
-          "mixed_precision needs floating-point params; "
-          f"{jax.tree_util.keystr(path)} has dtype {leaf.dtype}"
-        )
-    if mode == "fp32":
-      masters = jax.tree.map(
-        lambda p: p.astype(jnp.float32) if _is_half(p) else None, params
-      )
-    else:
-      masters = jax.tree.map(lambda p: None, params)
-    compensation = None
-    if mode == "kahan":
-      compensation = jax.tree.map(
-        lambda p: jnp.zeros_like(p) if _is_half(p) else None, params
-      )
-    full = _full_view(params, masters, compensation)
-    inner_state = inner.init(full)
-    if _find_multisteps(inner_state):
-      raise ValueError(
-        "optax.MultiSteps inside mixed_precision would change the loss "
-        "scale and skip microbatches inside an accumulation window; use "
-        "jaxmp.multi_steps(jaxmp.mixed_precision(inner), k) instead"
-      )
+    _check_params(params)
+    buffers = mode.init(params)
+    inner_state = inner.init(mode.view(params, buffers))
+    _check_inner_state(inner_state)
     return MixedPrecisionState(
       inner_state=inner_state,
-      master_params=masters,
+      master_params=buffers.master_params,
       loss_scale=jnp.asarray(initial_scale, jnp.float32),
       growth_counter=jnp.zeros([], jnp.int32),
-      grads_finite=jnp.ones([], jnp.bool_),
+      step_applied=jnp.ones([], jnp.bool_),
       skipped_steps=jnp.zeros([], jnp.int32),
-      consecutive_skips=jnp.zeros([], jnp.int32),
+      consecutive_overflows=jnp.zeros([], jnp.int32),
       config=config,
       nonfinite_loss_steps=jnp.zeros([], jnp.int32),
       consecutive_nonfinite_loss=jnp.zeros([], jnp.int32),
       diagnostics=diag.init_diagnostics(params) if diagnostics else None,
-      compensation=compensation,
-      rounding_key=None if key0 is None else jnp.asarray(key0),
+      compensation=buffers.compensation,
+      rounding_key=buffers.rounding_key,
     )
 
   def update_fn(grads, state, params=None, *, loss=None, **extra_args):
@@ -548,17 +357,14 @@ def mixed_precision(
         "mixed_precision.update needs params: "
         "opt.update(grads, opt_state, params)"
       )
+    _check_inner_state(state.inner_state)
     scale = state.loss_scale
-    # With a scale >= 1 unscaling cannot overflow: check the raw gradients
-    # and let XLA fuse the check into one read of them.
-    if config.min_loss_scale >= 1:
-      finite = all_finite(grads)
-    else:
-      finite = all_finite(
-        jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
-      )
-    if axis_name is not None:
-      finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
+    grads_finite, loss_finite = _finite_flags(
+      grads, loss, scale, config, axis_name
+    )
+    applied = (
+      grads_finite if loss_finite is None else grads_finite & loss_finite
+    )
     # Multiplying by the reciprocal is exact for power-of-two scales.
     inv_scale = 1.0 / scale
     report = (
@@ -566,153 +372,159 @@ def mixed_precision(
       if diagnostics
       else None
     )
-    grads_finite = finite
-    if loss is not None:
-      loss_finite = jnp.all(jnp.isfinite(jnp.asarray(loss)))
-      if axis_name is not None:
-        loss_finite = jax.lax.pmin(
-          loss_finite.astype(jnp.int32), axis_name
-        ).astype(bool)
-      finite = grads_finite & loss_finite  # The step is applied.
 
+    # The inner step, on unscaled fp32 gradients and the fp32 view.
     grads = jax.tree.map(lambda g: g.astype(jnp.float32) * inv_scale, grads)
-    full = _full_view(params, state.master_params, state.compensation)
+    buffers = masters_lib.Buffers(
+      state.master_params, state.compensation, state.rounding_key
+    )
+    view = mode.view(params, buffers)
     inner_updates, inner_state = inner.update(
-      grads, state.inner_state, full, **extra_args
+      grads, state.inner_state, view, **extra_args
     )
-    new_full = optax.apply_updates(full, inner_updates)
-
-    keep = lambda new, old: jnp.where(finite, new, old)
-    inner_state = jax.tree.map(keep, inner_state, state.inner_state)
-    masters = jax.tree.map(
-      lambda m, n: None if m is None else keep(n, m),
-      state.master_params,
-      new_full,
-      is_leaf=lambda x: x is None,
+    inner_state = jax.tree.map(
+      lambda new, old: jnp.where(applied, new, old),
+      inner_state,
+      state.inner_state,
     )
-
-    def outer_update(p, u, m):
-      if m is not None:
-        # An fp32 update lands p exactly on cast(new master) (see docstring).
-        # Where they already agree bit for bit, -0.0 keeps p as it is (a
-        # -0.0 param plus the +0.0 of ``t - p`` would turn into +0.0).
-        t = m.astype(p.dtype)
-        same = (t == p) & (jnp.signbit(t) == jnp.signbit(p))
-        u = jnp.where(
-          same,
-          jnp.asarray(-0.0, jnp.float32),
-          t.astype(jnp.float32) - p.astype(jnp.float32),
-        )
-      # -0.0 is the additive identity of every float, signed zeros included.
-      return jnp.where(finite, u, jnp.asarray(-0.0, u.dtype))
-
-    compensation = rounding_key = None
-    if mode == "fp32":
-      # From the selected masters: XLA reads them instead of redoing the step.
-      targets = masters
-    elif mode == "kahan":
-      targets, compensation = _kahan_targets(params, new_full)
-      compensation = jax.tree.map(
-        lambda c, n: None if c is None else keep(n, c),
-        state.compensation,
-        compensation,
-        is_leaf=lambda x: x is None,
-      )
-    elif mode == "stochastic":
-      next_key, step_key = jax.random.split(state.rounding_key)
-      targets = _stochastic_targets(params, new_full, step_key)
-      rounding_key = keep(next_key, state.rounding_key)
-    else:
-      targets = jax.tree.map(lambda p: None, params)
-    updates = jax.tree.map(outer_update, params, inner_updates, targets)
-
-    skips = jnp.where(grads_finite, 0, state.consecutive_skips + 1)
-    new_scale, counter = adjust_loss_scale(
-      config, scale, state.growth_counter, skips, grads_finite
+    targets, buffers = mode.targets(
+      params, optax.apply_updates(view, inner_updates), buffers, applied
     )
-    loss_steps = state.nonfinite_loss_steps
-    loss_run = state.consecutive_nonfinite_loss
-    if loss is not None:
-      # A non-finite loss says nothing about the scale: the rule skips it.
-      skips = jnp.where(loss_finite, skips, state.consecutive_skips)
-      new_scale = jnp.where(loss_finite, new_scale, scale)
-      counter = jnp.where(loss_finite, counter, state.growth_counter)
-      bad_loss = (~loss_finite).astype(jnp.int32)
-      loss_steps = loss_steps + bad_loss
-      loss_run = jnp.where(loss_finite, 0, loss_run + 1).astype(jnp.int32)
+    updates = _outer_updates(params, inner_updates, targets, applied)
+
+    new_scale, counter, overflows, loss_steps, loss_run = _next_counters(
+      config, state, grads_finite, loss_finite
+    )
     return updates, MixedPrecisionState(
       inner_state=inner_state,
-      master_params=masters,
+      master_params=buffers.master_params,
       loss_scale=new_scale,
       growth_counter=counter.astype(jnp.int32),
-      grads_finite=finite,
-      skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
-      consecutive_skips=skips.astype(jnp.int32),
+      step_applied=applied,
+      skipped_steps=state.skipped_steps + (~applied).astype(jnp.int32),
+      consecutive_overflows=overflows.astype(jnp.int32),
       config=config,
       nonfinite_loss_steps=loss_steps,
       consecutive_nonfinite_loss=loss_run,
       diagnostics=report,
-      compensation=compensation,
-      rounding_key=rounding_key,
+      compensation=buffers.compensation,
+      rounding_key=buffers.rounding_key,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _kahan_targets(params, new_full):
-  """New half params and their compensation (``None`` for fp32 params)."""
-  leaves, treedef = jax.tree_util.tree_flatten(params)
-  news = treedef.flatten_up_to(new_full)
-  hi, lo = [], []
-  for p, n in zip(leaves, news):
-    h, l = rounding.kahan_split(n, p.dtype) if _is_half(p) else (None, None)
-    hi.append(h)
-    lo.append(l)
-  unflatten = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
-  return unflatten(hi), unflatten(lo)
+def _check_params(params) -> None:
+  if _contains(params, optax.MaskedNode):
+    raise ValueError(
+      "mixed_precision inside optax.multi_transform or optax.masked sees "
+      "only part of the params: the other groups' gradients are never "
+      "unscaled and their inf/nan never skips the step; wrap the whole "
+      "optimizer instead: jaxmp.mixed_precision(optax.multi_transform("
+      "...))"
+    )
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
+      raise ValueError(
+        "mixed_precision needs floating-point params; "
+        f"{jax.tree_util.keystr(path)} has dtype {leaf.dtype}"
+      )
 
 
-def _stochastic_targets(params, new_full, key):
-  """The stochastically rounded half params (``None`` for fp32 params).
+def _check_inner_state(inner_state) -> None:
+  """Rejects the transforms that must not sit inside ``mixed_precision``."""
+  if _contains(inner_state, MixedPrecisionState):
+    raise ValueError(
+      "jaxmp.mixed_precision inside another jaxmp.mixed_precision (was the "
+      "optimizer of jaxmp.initialize wrapped again?): the outer one unscales "
+      "the gradients, the inner one unscales them again by a scale no loss "
+      "was ever multiplied by, and the steps all but vanish. Use one:\n"
+      "  params, opt = jaxmp.initialize(params, optax.sgd(0.1), 'O2')\n"
+      "or\n  opt = jaxmp.mixed_precision(optax.sgd(0.1))"
+    )
+  if _contains(inner_state, optax.MultiStepsState):
+    raise ValueError(
+      "optax.MultiSteps inside mixed_precision would change the loss "
+      "scale and skip microbatches inside an accumulation window; use "
+      "jaxmp.multi_steps(jaxmp.mixed_precision(inner), k) instead"
+    )
 
-  Leaf ``i`` of the flattened params draws from ``fold_in(key, i)``.
+
+def _finite_flags(grads, loss, scale, config, axis_name):
+  """``(grads_finite, loss_finite)``, the same on every device of the axis.
+
+  ``loss_finite`` is ``None`` when no loss was given.
   """
-  leaves, treedef = jax.tree_util.tree_flatten(params)
-  news = treedef.flatten_up_to(new_full)
-  out = []
-  for i, (p, n) in enumerate(zip(leaves, news)):
-    if _is_half(p):
-      bits = jax.random.bits(jax.random.fold_in(key, i), p.shape, jnp.uint32)
-      out.append(rounding.round_with_bits(n, p.dtype, bits))
-    else:
-      out.append(None)
-  return jax.tree_util.tree_unflatten(treedef, out)
+  # With a scale >= 1 unscaling cannot overflow: check the raw gradients
+  # and let XLA fuse the check into one read of them.
+  if config.min_loss_scale >= 1:
+    grads_finite = all_finite(grads)
+  else:
+    grads_finite = all_finite(
+      jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
+    )
+  grads_finite = all_devices(grads_finite, axis_name)
+  if loss is None:
+    return grads_finite, None
+  loss_finite = jnp.all(jnp.isfinite(jnp.asarray(loss)))
+  return grads_finite, all_devices(loss_finite, axis_name)
 
 
-def _full_view(params, masters, compensation):
-  """fp32 view of the params: masters, or param + compensation (Kahan)."""
-  if compensation is None:
-    return _full_precision(params, masters)
+def _outer_updates(params, inner_updates, targets, applied):
+  """The updates of the params themselves: onto a target, or the inner one.
 
-  def view(c, p):
-    if p is None:
-      return None
-    full = p.astype(jnp.float32)
-    return full if c is None else full + c.astype(jnp.float32)
-
-  return jax.tree.map(view, compensation, params, is_leaf=lambda x: x is None)
-
-
-def _full_precision(params, masters):
-  """fp32 view of the params: the master where there is one, else upcast.
-
-  ``None`` params (empty subtrees, such as the function fields of an
-  ``eqx.filter``-ed Equinox module) stay ``None``.
+  An fp32 update lands a half param exactly on ``cast(target)`` (see
+  `mixed_precision`); ``None`` targets (fp32 params, no masters) take the
+  inner update as it is. A skipped step returns ``-0.0``, the additive
+  identity of every float, signed zeros included.
   """
 
-  def view(m, p):
-    if p is None:
-      return None
-    return p.astype(jnp.float32) if m is None else m
+  def update(p, u, t):
+    if t is not None:
+      # Where they already agree bit for bit, -0.0 keeps p as it is (a
+      # -0.0 param plus the +0.0 of ``t - p`` would turn into +0.0).
+      t = t.astype(p.dtype)
+      same = (t == p) & (jnp.signbit(t) == jnp.signbit(p))
+      u = jnp.where(
+        same,
+        jnp.asarray(-0.0, jnp.float32),
+        t.astype(jnp.float32) - p.astype(jnp.float32),
+      )
+    return jnp.where(applied, u, jnp.asarray(-0.0, u.dtype))
 
-  return jax.tree.map(view, masters, params, is_leaf=lambda x: x is None)
+  return jax.tree.map(update, params, inner_updates, targets)
+
+
+def _next_counters(config, state, grads_finite, loss_finite):
+  """The loss-scale rule and the skip counters after this step.
+
+  Returns ``(scale, growth_counter, consecutive_overflows,
+  nonfinite_loss_steps, consecutive_nonfinite_loss)``.
+  """
+  overflows = jnp.where(grads_finite, 0, state.consecutive_overflows + 1)
+  scale, counter = adjust_loss_scale(
+    config, state.loss_scale, state.growth_counter, overflows, grads_finite
+  )
+  loss_steps = state.nonfinite_loss_steps
+  loss_run = state.consecutive_nonfinite_loss
+  if loss_finite is not None:
+    # A non-finite loss says nothing about the scale: the rule skips it.
+    overflows = jnp.where(loss_finite, overflows, state.consecutive_overflows)
+    scale = jnp.where(loss_finite, scale, state.loss_scale)
+    counter = jnp.where(loss_finite, counter, state.growth_counter)
+    loss_steps = loss_steps + (~loss_finite).astype(jnp.int32)
+    loss_run = jnp.where(loss_finite, 0, loss_run + 1).astype(jnp.int32)
+  return scale, counter, overflows, loss_steps, loss_run
+
+
+def full_view(params, state: MixedPrecisionState):
+  """The fp32 view of ``params`` that the state keeps.
+
+  The masters, ``param + compensation`` (Kahan), or the upcast param.
+  """
+  buffers = masters_lib.Buffers(
+    state.master_params, state.compensation, state.rounding_key
+  )
+  if state.compensation is not None:
+    return masters_lib.Kahan().view(params, buffers)
+  return masters_lib.Fp32Masters().view(params, buffers)

@@ -128,7 +128,7 @@ _SPEC_HELP = (
 )
 
 
-def get_preset(spec: str) -> Preset:
+def get_preset(spec: Union[str, Preset]) -> Preset:
   """Returns the `Preset` for a preset name or a jmp policy string.
 
   A policy string gets the preset that matches its dtypes: half-precision
@@ -137,19 +137,25 @@ def get_preset(spec: str) -> Preset:
   stays fp32.
 
   Args:
-    spec: ``"O0"``..``"O3"``, ``"bf16"`` or a jmp policy string.
+    spec: ``"O0"``..``"O3"``, ``"bf16"``, a jmp policy string, or a
+      `Preset` (returned as it is).
 
   Returns:
     The preset.
 
   Raises:
     ValueError: for an unknown spec; the message lists the valid ones.
+    TypeError: for a spec that is neither a string nor a `Preset`.
 
   >>> get_preset("O2").master_weights
   True
   """
+  if isinstance(spec, Preset):
+    return spec
   if not isinstance(spec, str):
-    raise ValueError(f"policy must be a string, got {spec!r}: {_SPEC_HELP}")
+    raise TypeError(
+      f"policy must be a string or a jaxmp.Preset, got {spec!r}: {_SPEC_HELP}"
+    )
   if spec in PRESETS:
     return PRESETS[spec]
   try:
@@ -181,12 +187,11 @@ def get_policy(spec: Union[str, Preset]) -> jmp.Policy:
 
   Raises:
     ValueError: for an unknown spec; the message lists the valid ones.
+    TypeError: for a spec that is neither a string nor a `Preset`.
 
   >>> get_policy("O2").param_dtype
   <class 'jax.numpy.float16'>
   """
-  if isinstance(spec, Preset):
-    return spec.policy
   return get_preset(spec).policy
 
 

@@ -26,6 +26,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxmp._src import conv
+
 Padding = Union[str, Sequence[tuple[int, int]]]
 
 
@@ -115,9 +117,7 @@ def _bwd(window, strides, pads, residuals, dy):
   span_h, span_w = sh * (ho - 1) + 1, sw * (wo - 1) + 1
   for i in range(kh):
     for j in range(kw):
-      tap = lax.slice(
-        xp, (0, i, j, 0), (n, i + span_h, j + span_w, c), (1, sh, sw, 1)
-      )
+      tap = conv.strided_tap(xp, i, j, strides, (ho, wo))
       hit = (tap == y) & ~taken
       taken = taken | hit
       dxp = dxp + lax.pad(

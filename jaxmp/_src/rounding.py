@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-_HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+from jaxmp._src import dtypes
 
 
 def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
@@ -53,7 +53,7 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
   0.001
   """
   dtype = jnp.dtype(dtype)
-  if dtype not in _HALF:
+  if not dtypes.is_half(dtype):
     raise ValueError(
       f"stochastic_round rounds to bfloat16 or float16, not {dtype}"
     )

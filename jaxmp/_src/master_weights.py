@@ -1,0 +1,259 @@
+"""How a half-precision param keeps its fp32 updates: one object per mode.
+
+`mixed_precision` runs its inner optimizer on an fp32 *view* of the params
+and gets fp32 updates ``u`` back. A master-weights mode decides three things,
+and each is one method of its object:
+
+- ``init(params)``: the buffers it keeps in the state (`Buffers`);
+- ``view(params, buffers)``: the fp32 value the inner optimizer sees;
+- ``targets(params, new_view, buffers, applied)``: the half value each half
+  param must land on after the step (``None``: plain ``param + u``), and the
+  buffers of the next step (the old ones where the step was not applied).
+
+==================  ==================  ===================  ================
+mode                buffers             fp32 view            target
+==================  ==================  ===================  ================
+``"fp32"``          fp32 masters        the master           ``cast(master)``
+``"kahan"``         compensation ``c``  ``param + c``        nearest half
+``"stochastic"``    one PRNG key        the upcast param     stochastic round
+``"none"``          nothing             the upcast param     ``param + u``
+==================  ==================  ===================  ================
+
+fp32 params are their own masters in every mode: no buffer, no target.
+"""
+
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src import dtypes
+from jaxmp._src import rounding
+
+MODES = ("fp32", "none", "kahan", "stochastic")
+
+
+class Buffers(NamedTuple):
+  """What a mode keeps in the state, ``None`` where it keeps nothing.
+
+  Attributes:
+    master_params: fp32 masters of the half params (``"fp32"``).
+    compensation: the rounding error of each half param (``"kahan"``).
+    rounding_key: the raw ``uint32[2]`` key of the next step's rounding
+      (``"stochastic"``).
+  """
+
+  master_params: Any = None
+  compensation: Any = None
+  rounding_key: Optional[jax.Array] = None
+
+
+def _none_like(tree):
+  return jax.tree.map(lambda _: None, tree)
+
+
+def _select(applied, new, old):
+  """``new`` where the step was applied, ``old`` elsewhere (``None`` kept)."""
+  return jax.tree.map(
+    lambda o, n: None if o is None else jnp.where(applied, n, o),
+    old,
+    new,
+    is_leaf=lambda x: x is None,
+  )
+
+
+def _upcast_view(params, masters):
+  """The master where there is one, else the upcast param.
+
+  ``None`` params (empty subtrees, such as the function fields of an
+  ``eqx.filter``-ed Equinox module) stay ``None``.
+  """
+
+  def view(m, p):
+    if p is None:
+      return None
+    return p.astype(jnp.float32) if m is None else m
+
+  return jax.tree.map(view, masters, params, is_leaf=lambda x: x is None)
+
+
+class Fp32Masters:
+  """``True``/``"fp32"``: an fp32 master per half param; param = cast(m)."""
+
+  name = "fp32"
+
+  def init(self, params) -> Buffers:
+    """An fp32 copy of each half param."""
+    masters = jax.tree.map(
+      lambda p: p.astype(jnp.float32) if dtypes.is_half(p) else None, params
+    )
+    return Buffers(master_params=masters)
+
+  def view(self, params, buffers: Buffers):
+    """The masters, and the upcast fp32 params."""
+    return _upcast_view(params, buffers.master_params)
+
+  def targets(self, params, new_view, buffers: Buffers, applied):
+    """The new masters (the old ones on a skipped step) are the targets."""
+    masters = _select(applied, new_view, buffers.master_params)
+    # From the selected masters: XLA reads them instead of redoing the step.
+    return masters, Buffers(master_params=masters)
+
+
+class RoundToNearest:
+  """``False``/``"none"``: no buffer, ``param + u`` rounded (Apex O3)."""
+
+  name = "none"
+
+  def init(self, params) -> Buffers:
+    """No buffer."""
+    return Buffers(master_params=_none_like(params))
+
+  def view(self, params, buffers: Buffers):
+    """The upcast params."""
+    return _upcast_view(params, buffers.master_params)
+
+  def targets(self, params, new_view, buffers: Buffers, applied):
+    """No target: every param takes ``param + u``."""
+    return _none_like(params), buffers
+
+
+class Kahan:
+  """``"kahan"``: param plus a compensation in its own dtype track fp32."""
+
+  name = "kahan"
+
+  def init(self, params) -> Buffers:
+    """A zero compensation per half param, in its dtype."""
+    return Buffers(
+      master_params=_none_like(params),
+      compensation=jax.tree.map(
+        lambda p: jnp.zeros_like(p) if dtypes.is_half(p) else None, params
+      ),
+    )
+
+  def view(self, params, buffers: Buffers):
+    """``param + compensation`` in fp32."""
+
+    def view(c, p):
+      if p is None:
+        return None
+      full = p.astype(jnp.float32)
+      return full if c is None else full + c.astype(jnp.float32)
+
+    return jax.tree.map(
+      view, buffers.compensation, params, is_leaf=lambda x: x is None
+    )
+
+  def targets(self, params, new_view, buffers: Buffers, applied):
+    """The nearest half values; the rest is the next compensation."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    hi, lo = [], []
+    for p, n in zip(leaves, treedef.flatten_up_to(new_view)):
+      h, l = (
+        rounding.kahan_split(n, p.dtype) if dtypes.is_half(p) else (None, None)
+      )
+      hi.append(h)
+      lo.append(l)
+    unflatten = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
+    compensation = _select(applied, unflatten(lo), buffers.compensation)
+    return unflatten(hi), buffers._replace(compensation=compensation)
+
+
+class Stochastic:
+  """``"stochastic"``: no buffer, the new value rounded at random."""
+
+  name = "stochastic"
+
+  def __init__(self, key0):
+    self._key0 = key0
+
+  def init(self, params) -> Buffers:
+    """The first key, a new buffer per ``init``."""
+    return Buffers(
+      master_params=_none_like(params), rounding_key=jnp.asarray(self._key0)
+    )
+
+  def view(self, params, buffers: Buffers):
+    """The upcast params."""
+    return _upcast_view(params, buffers.master_params)
+
+  def targets(self, params, new_view, buffers: Buffers, applied):
+    """Stochastically rounded; leaf ``i`` of the flattened params draws from ``fold_in(key, i)``."""
+    next_key, key = jax.random.split(buffers.rounding_key)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    out = []
+    for i, (p, n) in enumerate(zip(leaves, treedef.flatten_up_to(new_view))):
+      if dtypes.is_half(p):
+        bits = jax.random.bits(jax.random.fold_in(key, i), p.shape, jnp.uint32)
+        out.append(rounding.round_with_bits(n, p.dtype, bits))
+      else:
+        out.append(None)
+    new_key = jnp.where(applied, next_key, buffers.rounding_key)
+    return (
+      jax.tree_util.tree_unflatten(treedef, out),
+      buffers._replace(rounding_key=new_key),
+    )
+
+
+Mode = Union[Fp32Masters, RoundToNearest, Kahan, Stochastic]
+
+
+def get_mode(master_weights, rounding_key=0) -> Mode:
+  """The mode object of ``mixed_precision``'s ``master_weights``."""
+  if isinstance(master_weights, (bool, np.bool_)):
+    master_weights = "fp32" if master_weights else "none"
+  if not (isinstance(master_weights, str) and master_weights in MODES):
+    raise ValueError(
+      "master_weights must be True/'fp32', False/'none', 'kahan' or "
+      f"'stochastic', got {master_weights!r}"
+    )
+  if master_weights == "fp32":
+    return Fp32Masters()
+  if master_weights == "none":
+    return RoundToNearest()
+  if master_weights == "kahan":
+    return Kahan()
+  return Stochastic(_host_key(rounding_key))
+
+
+def _host_key(key) -> Any:
+  """The raw key, on the host where it is concrete.
+
+  Each ``init`` then makes its own buffer: a donated state must not delete
+  the key of another one.
+  """
+  key = _raw_key(key)
+  try:
+    return np.asarray(key)
+  except jax.errors.TracerArrayConversionError:  # A traced key stays as is.
+    return key
+
+
+def _raw_key(key) -> jax.Array:
+  """The raw ``uint32[2]`` threefry key of an int seed or a PRNG key."""
+  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+    with jax.ensure_compile_time_eval():  # Concrete, also inside jit.
+      return jax.random.key_data(jax.random.key(int(key)))
+  if isinstance(key, jax.Array) and jnp.issubdtype(
+    key.dtype, jax.dtypes.prng_key
+  ):
+    if key.shape != () or jax.random.key_impl(key) != jax.random.key_impl(
+      jax.random.key(0)
+    ):
+      raise ValueError(
+        "rounding_key must be one PRNG key of the default (threefry) "
+        f"implementation, got {key!r}"
+      )
+    return jax.random.key_data(key)
+  if (
+    isinstance(key, (jax.Array, np.ndarray))
+    and key.shape == (2,)
+    and key.dtype == np.uint32
+  ):
+    return jnp.asarray(key)
+  raise ValueError(
+    "rounding_key must be an int seed, a jax.random.key or a raw uint32[2] "
+    f"key, got {key!r}"
+  )

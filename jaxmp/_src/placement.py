@@ -1,0 +1,145 @@
+"""Where `mixed_precision` sits in an optimizer, checked at trace time.
+
+`mixed_precision` must be the outermost transform, or directly inside
+`jaxmp.multi_steps` (``optax.inject_hyperparams`` around it is fine too).
+Every other placement trains wrongly without a sound: a transform chained
+before it sees the scaled gradients, one chained after it changes updates
+the fp32 masters never see, a plain `optax.MultiSteps` around it stays NaN
+after one overflowed microbatch. The state says where it sat: these checks
+walk the optimizer state in Python, so under ``jit`` they run once, while
+tracing, and cost the compiled step nothing.
+
+`warn_if_captured` catches the other silent mistake: an ``opt_state`` that a
+jitted step reads from a global (or a closure) instead of its arguments is a
+constant of the compiled program, so the forward pass keeps multiplying by
+the scale of the first trace while the real scale moves on.
+"""
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxmp._src import mixed_precision as mp
+
+RIGHT_CHAIN = (
+  "wrap the whole optimizer, e.g.\n"
+  "  opt = jaxmp.mixed_precision(optax.chain(optax.clip_by_global_norm(1.0),"
+  " optax.sgd(0.1)))\n"
+  "and for gradient accumulation put jaxmp.multi_steps outside it:\n"
+  "  opt = jaxmp.multi_steps(jaxmp.mixed_precision(optax.chain(...)), k)"
+)
+
+
+def _child(node: Any, key: Any) -> Any:
+  """The child of ``node`` at one key of a ``tree_flatten_with_path`` path."""
+  children, _ = jax.tree_util.tree_flatten_with_path(
+    node, is_leaf=lambda x: x is not node
+  )
+  for path, child in children:
+    if path == (key,):
+      return child
+  raise KeyError(key)  # Not reached for a key of the same tree.
+
+
+def _ancestors(opt_state: Any, target: Any) -> list[tuple[Any, Any, str]]:
+  """``(container, key, keystr)`` from the root down to ``target``'s parent."""
+  is_mp = lambda x: isinstance(x, mp.MixedPrecisionState)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(
+    opt_state, is_leaf=is_mp
+  )[0]:
+    if leaf is target:
+      out, node = [], opt_state
+      for i, key in enumerate(path):
+        out.append((node, key, jax.tree_util.keystr(path[:i])))
+        node = _child(node, key)
+      return out
+  return []
+
+
+def _is_optax_state(x: Any) -> bool:
+  return type(x).__module__.split(".")[0] == "optax"
+
+
+def check_placement(opt_state: Any, state: mp.MixedPrecisionState) -> None:
+  """Raises a ``ValueError`` unless ``state`` sits where it must.
+
+  Args:
+    opt_state: the whole optimizer state the user passed.
+    state: the `MixedPrecisionState` found inside it.
+
+  Containers that are neither optax's nor jaxmp's (a user's dict, an NNX
+  optimizer) are taken as they are: only the known wrong wrappers raise.
+  """
+  from jaxmp._src import accumulation  # pylint: disable=g-import-not-at-top
+
+  ancestors = _ancestors(opt_state, state)
+  for depth, (node, key, where) in enumerate(ancestors):
+    at = f"opt_state{where}"
+    parent = ancestors[depth - 1][0] if depth else None
+    if isinstance(node, accumulation.AccumulationState):
+      continue
+    if isinstance(node, optax.MultiStepsState):
+      if isinstance(parent, accumulation.AccumulationState):
+        continue
+      raise ValueError(
+        f"jaxmp.mixed_precision inside optax.MultiSteps (at {at}): after one "
+        "overflowed microbatch its accumulator stays NaN and every later "
+        "window is skipped, and mixed_precision sees only whole windows; "
+        "use jaxmp.multi_steps(jaxmp.mixed_precision(inner), k)"
+      )
+    if type(node) in (tuple, list) and len(node) > 1:
+      index = getattr(key, "idx", "?")
+      raise ValueError(
+        f"jaxmp.mixed_precision is transform {index} (from 0) of a chain of "
+        f"{len(node)} (at {at}): it must be the outermost transform. A "
+        "transform chained before it sees the *scaled* gradients (a clip "
+        "then uses a norm loss_scale times too large), one chained after it "
+        "changes updates that the fp32 masters never see, and the next step "
+        "undoes them; " + RIGHT_CHAIN
+      )
+    if _is_optax_state(node) and not type(node).__name__.startswith("Inject"):
+      raise ValueError(
+        f"jaxmp.mixed_precision inside optax's {type(node).__name__} (at "
+        f"{at}): the wrapper sees the scaled gradients or changes updates "
+        "that the fp32 masters never see; " + RIGHT_CHAIN
+      )
+
+
+def _concrete(x: Any) -> bool:
+  """Whether ``x`` has a value now (not a tracer of a function being traced)."""
+  try:
+    np.asarray(x)
+  except (
+    jax.errors.TracerArrayConversionError,
+    jax.errors.ConcretizationTypeError,
+  ):
+    return False
+  return True
+
+
+def warn_if_captured(state: mp.MixedPrecisionState, caller: str) -> None:
+  """Warns when ``state`` is a constant of a function being traced.
+
+  Its loss scale then has a value while a fresh array made here is a tracer
+  (``jit``, ``shard_map``, ``pmap``...): the state reached the traced
+  function from a global or a closure, not as an argument. The probe is
+  public API only (a tracer cannot become a NumPy array); it costs one scalar
+  at trace time, and in eager mode one tiny op where the state is concrete.
+  """
+  scale = jax.tree_util.tree_leaves(state.loss_scale)
+  if not scale or not _concrete(scale[0]) or _concrete(jnp.zeros(())):
+    return
+  warnings.warn(
+    f"{caller} got an opt_state that is a constant of the function being "
+    "traced (read from a global or a closure, not passed in as an argument): "
+    "the compiled step keeps the loss scale of its first trace while the "
+    "optimizer's scale moves on, so the gradients come out too small or "
+    "overflow. Pass opt_state to the jitted step as an argument, e.g. "
+    "step(params, opt_state, batch)",
+    UserWarning,
+    stacklevel=3,
+  )

@@ -1,0 +1,91 @@
+"""`value_and_grad`: the loss and the scaled gradients of a train step.
+
+Where flax's `DynamicScale.value_and_grad` keeps the scale in its own object,
+jaxmp keeps it in the optimizer state; so the state is an argument of every
+call, and the scale the forward pass uses is always the one ``update`` will
+unscale with. The loss comes back unscaled, ready for ``update(...,
+loss=loss)``, and the gradients are those of ``loss * scale``, ready for
+``update``: the two mistakes of a hand-written ``scale_loss`` step (a
+forgotten scale, a state read from a global) cannot happen.
+"""
+
+from typing import Any, Callable, Optional
+
+import jax
+
+from jaxmp._src import accessors
+from jaxmp._src import nnx_support
+
+
+def value_and_grad(
+  fun: Callable[..., Any],
+  has_aux: bool = False,
+  *,
+  wrt: Optional[Any] = None,
+) -> Callable[..., tuple[Any, Any]]:
+  """Returns ``grad_fn(params, opt_state, *args, **kwargs) -> (loss, grads)``.
+
+  ``fun(params, *args, **kwargs)`` returns the unscaled scalar loss (or
+  ``(loss, aux)`` with ``has_aux=True``). ``grad_fn`` multiplies it by the
+  loss scale of ``opt_state`` (in fp32, also for a half-precision loss) and
+  differentiates that with respect to ``params``. It returns what ``fun``
+  returned, unscaled, and the gradients of ``loss * scale``, which
+  ``opt.update(grads, opt_state, params, loss=loss)`` unscales, checks and
+  applies. Works under ``jit``, ``shard_map`` (reduce the gradients over the
+  axis as usual, and give ``mixed_precision`` its ``axis_name``) and
+  `jaxmp.multi_steps`.
+
+  Flax NNX: pass the model as ``params``; ``fun(model, *args)`` may update
+  its BatchNorm statistics as usual, and the gradients are an ``nnx.State``
+  of the ``wrt`` variables (``nnx.Param`` by default), ready for
+  ``opt.update(model, grads)``. ``opt_state`` is ``opt.opt_state``.
+
+  Args:
+    fun: the loss function; its first argument is differentiated.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+    wrt: NNX only: the filter of the variables to differentiate.
+
+  Returns:
+    ``grad_fn``, which returns ``(loss, grads)`` or, with ``has_aux``,
+    ``((loss, aux), grads)``, as `jax.value_and_grad` does.
+
+  Raises:
+    ValueError: when ``mixed_precision`` is not the outermost transform of
+      ``opt_state``, nor directly inside `jaxmp.multi_steps`. A state that
+      is a constant of the function being traced (read from a global, not
+      passed in) warns.
+
+  >>> import jax, jax.numpy as jnp, optax, jaxmp
+  >>> opt = jaxmp.mixed_precision(optax.sgd(0.5), loss_scale=8.0)
+  >>> params = {"w": jnp.ones(2, jnp.float16)}
+  >>> opt_state = opt.init(params)
+  >>> loss_fn = lambda p, x: jnp.sum(p["w"] * x, dtype=jnp.float32)
+  >>> loss, grads = jaxmp.value_and_grad(loss_fn)(params, opt_state, 2.0)
+  >>> loss, grads["w"]  # the unscaled loss; the gradients of 8 * loss
+  (Array(4., dtype=float32), Array([16., 16.], dtype=float16))
+  >>> updates, opt_state = opt.update(grads, opt_state, params, loss=loss)
+  >>> optax.apply_updates(params, updates)["w"]  # 1 - 0.5 * 2
+  Array([0., 0.], dtype=float16)
+  """
+
+  def grad_fn(params, opt_state, *args, **kwargs):
+    state = accessors.locate(opt_state, "jaxmp.value_and_grad")
+    scale = state.loss_scale
+
+    def scaled_fun(p, *a, **k):
+      out = fun(p, *a, **k)
+      loss, aux = out if has_aux else (out, None)
+      return accessors.scaled(loss, scale), (loss, aux)
+
+    if nnx_support.is_module(params):
+      nnx = nnx_support.nnx()
+      argnums = nnx.DiffState(0, nnx.Param if wrt is None else wrt)
+      vg = nnx.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+    else:
+      if wrt is not None:
+        raise TypeError("wrt= is for NNX models; params is not an nnx.Module")
+      vg = jax.value_and_grad(scaled_fun, has_aux=True)
+    (_, (loss, aux)), grads = vg(params, *args, **kwargs)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return grad_fn
