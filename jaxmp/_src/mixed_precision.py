@@ -44,6 +44,7 @@ from jaxmp._src import diagnostics as diag
 from jaxmp._src import rounding
 
 LossScale = Union[jmp.NoOpLossScale, jmp.StaticLossScale, jmp.DynamicLossScale]
+"""The jmp loss scales `mixed_precision` accepts (``loss_scale=``)."""
 
 _HALF = (jnp.float16, jnp.bfloat16)
 
