@@ -41,6 +41,7 @@ import jmp
 import numpy as np
 
 LossScaler = Union[jmp.NoOpLossScale, jmp.StaticLossScale, jmp.DynamicLossScale]
+"""The jmp loss scalers `mixed_precision` accepts (``loss_scale=``)."""
 
 
 @dataclasses.dataclass(frozen=True)

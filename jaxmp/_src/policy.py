@@ -120,6 +120,13 @@ PRESETS = {
     ),
   )
 }
+"""The Apex-style presets by name, each a `Preset`: ``"O0"`` to ``"O3"``,
+``"bf16"``, ``"bf16-kahan"`` and ``"bf16-stochastic"``.
+
+>>> sorted(PRESETS) == sorted(["O0", "O1", "O2", "O3", "bf16", "bf16-kahan",
+...                            "bf16-stochastic"])
+True
+"""
 
 _SPEC_HELP = (
   "a preset (" + ", ".join(PRESETS) + ") or a jmp policy string such as "

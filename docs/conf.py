@@ -1,0 +1,111 @@
+"""Sphinx configuration: MyST notebooks executed at build, autodoc API pages.
+
+Build: ``python -m sphinx -W --keep-going -b html docs docs/_build/html``
+(needs ``pip install -e ".[docs]"``).
+"""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the working tree's jaxmp, not an installed one
+
+# The guides' kernels inherit this environment: CPU, quiet TensorFlow, and
+# the checkout on the path. Set before anything imports jax.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# The fast-compile flags of the test suite: the examples compile in a fraction
+# of the time, and what they print and assert does not depend on them.
+os.environ.setdefault(
+  "XLA_FLAGS",
+  "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+  p for p in (ROOT, os.environ.get("PYTHONPATH")) if p
+)
+
+import jaxmp  # noqa: E402
+
+project = "jaxmp"
+author = "the jaxmp authors"
+copyright = "2026, the jaxmp authors"  # noqa: A001
+release = jaxmp.__version__
+version = release
+
+extensions = [
+  "myst_nb",
+  "sphinx.ext.autodoc",
+  "sphinx.ext.autosummary",
+  "sphinx.ext.napoleon",
+  "sphinx.ext.viewcode",
+]
+
+exclude_patterns = ["_build", "_readme_front_page.md", "**.ipynb_checkpoints"]
+templates_path = ["_templates"]
+
+# Single backticks in docstrings (`mixed_precision`) are Python references.
+default_role = "py:obj"
+
+# API reference: one generated page per public name (autosummary stubs are
+# written under api/_autosummary/, which git ignores).
+autosummary_generate = True
+autosummary_imported_members = True
+autodoc_typehints = "signature"
+autodoc_typehints_format = "short"
+autodoc_member_order = "bysource"
+autodoc_default_options = {"members": True, "show-inheritance": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_ivar = True  # `Attributes:` as fields, not duplicate targets
+napoleon_use_rtype = False
+napoleon_attr_annotations = False  # the docstrings say what each field holds
+
+# Guides: MyST-markdown notebooks, executed on every build; any error fails it.
+nb_execution_mode = "force"
+nb_execution_raise_on_error = True
+nb_execution_timeout = 300  # per cell; loaded CI machines are slow
+nb_execution_show_tb = True
+nb_merge_streams = True
+myst_enable_extensions = ["colon_fence", "dollarmath"]
+myst_heading_anchors = 3
+suppress_warnings = ["mystnb.unknown_mime_type"]
+
+html_theme = "furo"
+html_title = f"jaxmp {release}"
+html_static_path = []
+
+
+def _skip_namedtuple_fields(app, what, name, obj, skip, options):
+  """Leaves NamedTuple fields to the class's ``Attributes:`` section."""
+  del app, what, name, options
+  doc = getattr(obj, "__doc__", None) or ""
+  return True if doc.startswith("Alias for field number") else skip
+
+
+def _attribute_docstring(app, what, name, obj, options, lines):
+  """Gives re-exported data (``jaxmp.PRESETS``) the docstring of its source.
+
+  autodoc reads attribute docstrings from the module it documents, and
+  ``jaxmp/__init__.py`` only imports them from ``jaxmp._src``.
+  """
+  del app, options
+  if what not in ("data", "attribute") or "." not in name:
+    return
+  from sphinx.pycode import ModuleAnalyzer  # pylint: disable=g-import-not-at-top
+
+  short = name.rsplit(".", 1)[1]
+  for modname, module in sorted(sys.modules.items()):
+    if not modname.startswith("jaxmp._src") or module is None:
+      continue
+    if getattr(module, short, None) is not obj:
+      continue
+    doc = ModuleAnalyzer.for_module(modname).find_attr_docs().get(("", short))
+    if doc:
+      lines[:] = list(doc)
+      return
+
+
+def setup(app):
+  """Registers the two hooks above."""
+  app.connect("autodoc-skip-member", _skip_namedtuple_fields)
+  app.connect("autodoc-process-docstring", _attribute_docstring)
