@@ -2,7 +2,8 @@
 
 An optax transform with FP32 master params and dynamic loss scaling
 (`mixed_precision`), accessors that find its state anywhere in an optax state,
-and Apex-style precision presets.
+Apex-style precision presets, and `autocast` (Apex O1 / torch.autocast
+per-op precision for any JAX function).
 """
 
 from jaxmp._src.accumulation import multi_steps
@@ -16,6 +17,9 @@ from jaxmp._src.accessors import overflow_report
 from jaxmp._src.accessors import rollback_if_skipped
 from jaxmp._src.accessors import scale_loss
 from jaxmp._src.accessors import stats
+from jaxmp._src.autocast import autocast
+from jaxmp._src.autocast import AutocastReport
+from jaxmp._src.autocast import no_autocast
 from jaxmp._src.calibrate import calibrate_loss_scale
 from jaxmp._src.compiler import cpu_compiler_options
 from jaxmp._src.initialize import initialize
@@ -36,6 +40,8 @@ __version__ = "0.1.0"
 __all__ = (
   "adjust_loss_scale",
   "all_finite",
+  "autocast",
+  "AutocastReport",
   "calibrate_loss_scale",
   "check_health",
   "cpu_compiler_options",
@@ -49,6 +55,7 @@ __all__ = (
   "LossScaleConfig",
   "master_params",
   "mixed_precision",
+  "no_autocast",
   "multi_steps",
   "MixedPrecisionState",
   "NonFiniteLossError",

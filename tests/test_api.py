@@ -25,6 +25,8 @@ PUBLIC = {
   "jaxmp": (
     "adjust_loss_scale",
     "all_finite",
+    "autocast",
+    "AutocastReport",
     "calibrate_loss_scale",
     "check_health",
     "cpu_compiler_options",
@@ -38,6 +40,7 @@ PUBLIC = {
     "LossScaleConfig",
     "master_params",
     "mixed_precision",
+    "no_autocast",
     "multi_steps",
     "MixedPrecisionState",
     "NonFiniteLossError",

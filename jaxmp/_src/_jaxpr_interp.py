@@ -1,0 +1,499 @@
+"""Every use of JAX internals by :func:`jaxmp.autocast`, behind a small surface.
+
+``autocast`` traces a function to a jaxpr and evaluates it again, equation by
+equation, with casts. Reading a jaxpr and re-binding its equations needs JAX's
+internal classes (``Var``, ``Literal``, ``ClosedJaxpr``, the parameters of
+``jit``, ``scan``, ``cond``, ``while``, ``remat2``, ``shard_map``,
+``custom_jvp_call`` and ``custom_vjp_call``, ``lu.WrappedFun``). They live in
+this module only, each behind one small function, and
+``tests/test_autocast.py`` runs every function here (one test per primitive
+family), so that a JAX upgrade that moves them breaks a test and not a user.
+
+The surface:
+
+* :func:`trace` (a function and input types to a ``ClosedJaxpr``),
+  :func:`evaluate` (re-runs a jaxpr, handing each equation to a callback),
+  :func:`bind` (binds an equation's primitive again);
+* :func:`kind` (which higher-order primitive an equation is, if any) and
+  :func:`call_name` (the ``name`` of a ``jit``, the marker of regions);
+* ``run_*``: re-emit one higher-order equation with its bodies evaluated by
+  a callback, through the public ``jax.lax``/``jax.shard_map`` API where it
+  exists (``scan``, ``while``, ``cond``, ``remat``, ``shard_map``) and by
+  re-binding with swapped bodies where it does not (``jit``, custom rules);
+* :func:`describe` (primitive, user source line and name stack of an equation).
+
+Tested with jax 0.10.x; written to accept jax 0.11.x (parameters are read by
+name, unknown ones are passed through).
+"""
+
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import jax
+from jax import lax
+import numpy as np
+
+# pylint: disable=g-import-not-at-top
+from jax._src import core as _core
+from jax._src import linear_util as _lu
+from jax._src import source_info_util as _si
+
+try:  # jax >= 0.4.36
+  from jax._src.ad_util import Zero as _Zero
+except ImportError:  # pragma: no cover
+  from jax.interpreters.ad import Zero as _Zero
+try:
+  from jax._src.custom_derivatives import SymbolicZero as _SymbolicZero
+except ImportError:  # pragma: no cover
+  _SymbolicZero = ()
+# pylint: enable=g-import-not-at-top
+
+ClosedJaxpr = _core.ClosedJaxpr
+Eqn = Any  # jax._src.core.JaxprEqn
+Body = Callable[[Any, Sequence[Any]], list]  # (ClosedJaxpr, args) -> outs
+
+
+# --------------------------------------------------------------------------
+# Tracing, evaluating and binding.
+
+
+def typeof(x) -> Any:
+  """The abstract value of ``x`` (``ShapedArray``, with weak type and vma)."""
+  return jax.typeof(x)
+
+
+def trace(fn: Callable[..., Sequence[Any]], avals: Sequence[Any]):
+  """``fn`` traced at abstract values ``avals``; returns ``(ClosedJaxpr)``.
+
+  ``fn`` takes and returns flat sequences of arrays.
+  """
+  return jax.make_jaxpr(lambda *a: list(fn(*a)))(*avals)
+
+
+def closed(jaxpr) -> ClosedJaxpr:
+  """``jaxpr`` as a ``ClosedJaxpr`` (open ones, e.g. ``remat``'s, get no consts)."""
+  if isinstance(jaxpr, ClosedJaxpr):
+    return jaxpr
+  return ClosedJaxpr(jaxpr, ())
+
+
+def in_avals(eqn: Eqn) -> list:
+  return [v.aval for v in eqn.invars]
+
+
+def out_avals(eqn: Eqn) -> list:
+  return [v.aval for v in eqn.outvars]
+
+
+def jaxpr_in_avals(jaxpr) -> list:
+  return list(closed(jaxpr).in_avals)
+
+
+def jaxpr_out_avals(jaxpr) -> list:
+  return list(closed(jaxpr).out_avals)
+
+
+def primitive_name(eqn: Eqn) -> str:
+  return eqn.primitive.name
+
+
+def params(eqn: Eqn) -> dict:
+  return dict(eqn.params)
+
+
+def evaluate(
+  jaxpr,
+  args: Sequence[Any],
+  handle: Callable[[Eqn, list, list], tuple[list, list]],
+  weak_args: Optional[Sequence[bool]] = None,
+  weak_literal: Callable[[Any], bool] = lambda v: True,
+) -> tuple[list, list]:
+  """Evaluates ``jaxpr`` on ``args``, each equation through ``handle``.
+
+  Args:
+    jaxpr: a ``ClosedJaxpr`` (or an open ``Jaxpr`` without constants).
+    args: its inputs (arrays or tracers of the current trace).
+    handle: ``handle(eqn, invals, inweak) -> (outvals, outweak)``; it binds
+      the equation (or anything equivalent) on the current trace.
+    weak_args: per input, whether it is weak (does not decide the dtype of an
+      operation). Constants of the jaxpr are strong.
+    weak_literal: whether a literal (given its value) is weak.
+
+  Returns:
+    ``(outs, outweak)``.
+  """
+  cj = closed(jaxpr)
+  j = cj.jaxpr
+  env: dict = {}
+  weak: dict = {}
+  if weak_args is None:
+    weak_args = [False] * len(args)
+  if len(args) != len(j.invars):
+    raise ValueError(f"jaxpr takes {len(j.invars)} inputs, got {len(args)}")
+  for v, x in zip(j.constvars, cj.consts):
+    env[v], weak[v] = x, False
+  for v, x, w in zip(j.invars, args, weak_args):
+    env[v], weak[v] = x, bool(w)
+
+  def read(v):
+    if isinstance(v, _core.Literal):
+      return v.val, weak_literal(v.val)
+    return env[v], weak[v]
+
+  for eqn in j.eqns:
+    pairs = [read(v) for v in eqn.invars]
+    invals = [p[0] for p in pairs]
+    inweak = [p[1] for p in pairs]
+    name_stack = _si.current_name_stack() + eqn.source_info.name_stack
+    with (
+      _si.user_context(eqn.source_info.traceback, name_stack=name_stack),
+      eqn.ctx.manager,
+    ):
+      outs, outweak = handle(eqn, invals, inweak)
+    for v, x, w in zip(eqn.outvars, outs, outweak):
+      if not isinstance(v, _core.DropVar):
+        env[v], weak[v] = x, w
+  results = [read(v) for v in j.outvars]
+  return [r[0] for r in results], [r[1] for r in results]
+
+
+def bind(eqn: Eqn, args: Sequence[Any], **updates) -> list:
+  """Binds ``eqn``'s primitive on ``args`` with its params (``updates`` win)."""
+  p = dict(eqn.params, **updates)
+  prim = eqn.primitive
+  bind_params = prim.get_bind_params(p)
+  if isinstance(bind_params, tuple):  # jax < 0.7: (subfuns, params).
+    subfuns, bind_params = bind_params
+    out = prim.bind(*subfuns, *args, **bind_params)
+  else:
+    out = prim.bind(*args, **bind_params)
+  return list(out) if prim.multiple_results else [out]
+
+
+def has_subjaxprs(eqn: Eqn) -> bool:
+  """Whether ``eqn`` carries jaxprs in its params (a higher-order primitive)."""
+  for v in eqn.params.values():
+    vs = v if isinstance(v, (tuple, list)) else (v,)
+    for u in vs:
+      if isinstance(u, (ClosedJaxpr, _core.Jaxpr)):
+        return True
+  return eqn.primitive.name in ("custom_jvp_call", "custom_vjp_call")
+
+
+# --------------------------------------------------------------------------
+# Higher-order primitives.
+
+_KINDS = {
+  "jit": "jit",
+  "pjit": "jit",
+  "closed_call": "call",
+  "core_call": "call",
+  "remat2": "remat",
+  "checkpoint": "remat",
+  "cond": "cond",
+  "scan": "scan",
+  "while": "while",
+  "shard_map": "shard_map",
+  "custom_jvp_call": "custom_jvp",
+  "custom_vjp_call": "custom_vjp",
+}
+
+
+def kind(eqn: Eqn) -> Optional[str]:
+  """The family of a higher-order equation (``"jit"``, ``"scan"``...), or None.
+
+  An equation with sub-jaxprs of another family gives ``"other"``.
+  """
+  k = _KINDS.get(eqn.primitive.name)
+  if k is None and has_subjaxprs(eqn):
+    return "other"
+  return k
+
+
+def call_name(eqn: Eqn) -> str:
+  """The ``name`` param of a ``jit`` equation (``""`` for others)."""
+  return str(eqn.params.get("name", "")) if kind(eqn) == "jit" else ""
+
+
+def _cast(x, dtype):
+  if dtype is None or x.dtype == dtype:
+    return x
+  return lax.convert_element_type(x, dtype)
+
+
+def _casts(xs, dtypes):
+  return [_cast(x, d) for x, d in zip(xs, dtypes)]
+
+
+def run_jit(eqn: Eqn, args, body: Body) -> list:
+  """Re-binds a ``jit`` with its body evaluated by ``body`` (same name/shardings)."""
+  inner = eqn.params["jaxpr"]
+  new = trace(lambda *a: body(inner, a), [typeof(a) for a in args])
+  return bind(eqn, args, jaxpr=new)
+
+
+def run_call(eqn: Eqn, args, body: Body) -> list:
+  """Inlines a ``closed_call``/``core_call``."""
+  p = eqn.params
+  return body(closed(p.get("call_jaxpr", p.get("jaxpr"))), args)
+
+
+def run_remat(eqn: Eqn, args, body: Body) -> list:
+  """Re-emits ``jax.checkpoint`` with its body evaluated by ``body``."""
+  p = eqn.params
+  inner = closed(p["jaxpr"])
+  prevent_cse = p.get("prevent_cse", True)
+  if not isinstance(prevent_cse, bool):
+    prevent_cse = any(prevent_cse)
+  fn = jax.checkpoint(
+    lambda *a: list(body(inner, a)),
+    prevent_cse=prevent_cse,
+    policy=p.get("policy"),
+  )
+  return list(fn(*args))
+
+
+def run_cond(eqn: Eqn, args, body: Body, unify: Callable) -> list:
+  """Re-emits ``lax.switch``; ``unify(list of out dtype lists) -> dtypes``."""
+  branches = eqn.params["branches"]
+  index, ops = args[0], list(args[1:])
+  avals = [typeof(o) for o in ops]
+  out_dtypes = [
+    [a.dtype for a in trace(lambda *a, b=b: body(b, a), avals).out_avals]
+    for b in branches
+  ]
+  target = unify(out_dtypes)
+  fns = [(lambda *a, b=b: _casts(body(b, a), target)) for b in branches]
+  return list(lax.switch(index, fns, *ops))
+
+
+def run_scan(eqn: Eqn, args, body: Body) -> list:
+  """Re-emits ``lax.scan``; carries keep their traced dtypes."""
+  p = eqn.params
+  nc, nk = p["num_consts"], p["num_carry"]
+  consts, init, xs = args[:nc], list(args[nc : nc + nk]), list(args[nc + nk :])
+  carry_dtypes = [a.dtype for a in in_avals(eqn)[nc : nc + nk]]
+  inner = p["jaxpr"]
+
+  def step(carry, x):
+    outs = body(inner, [*consts, *carry, *x])
+    return _casts(outs[:nk], carry_dtypes), list(outs[nk:])
+
+  extra = {}
+  if p.get("_split_transpose"):
+    extra["_split_transpose"] = True
+  carry, ys = lax.scan(
+    step,
+    _casts(init, carry_dtypes),
+    xs,
+    length=p["length"],
+    reverse=p["reverse"],
+    unroll=p["unroll"],
+    **extra,
+  )
+  return [*carry, *ys]
+
+
+def run_while(eqn: Eqn, args, body: Body) -> list:
+  """Re-emits ``lax.while_loop``; carries keep their traced dtypes."""
+  p = eqn.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cconsts, bconsts, init = args[:cn], args[cn : cn + bn], args[cn + bn :]
+  carry_dtypes = [a.dtype for a in in_avals(eqn)[cn + bn :]]
+
+  def cond_fn(carry):
+    return body(p["cond_jaxpr"], [*cconsts, *carry])[0]
+
+  def body_fn(carry):
+    return _casts(body(p["body_jaxpr"], [*bconsts, *carry]), carry_dtypes)
+
+  return list(lax.while_loop(cond_fn, body_fn, _casts(init, carry_dtypes)))
+
+
+def run_shard_map(eqn: Eqn, args, body: Body) -> list:
+  """Re-emits ``jax.shard_map`` with the same mesh, specs and axis names."""
+  p = eqn.params
+  inner = closed(p["jaxpr"])
+  kwargs = {}
+  if "newly_manual_axes" in p:
+    kwargs["axis_names"] = set(p["newly_manual_axes"])
+  elif "manual_axes" in p:
+    kwargs["axis_names"] = set(p["manual_axes"])
+  elif p.get("auto"):
+    kwargs["axis_names"] = set(p["mesh"].axis_names) - set(p["auto"])
+  check = p.get("check_vma", p.get("check_rep", True))
+  fn = jax.shard_map(
+    lambda *a: tuple(body(inner, a)),
+    mesh=p["mesh"],
+    in_specs=tuple(p["in_specs"]),
+    out_specs=tuple(p["out_specs"]),
+    check_vma=check,
+    **kwargs,
+  )
+  return list(fn(*args))
+
+
+def _wrap(fn, like):
+  return _lu.wrap_init(fn, debug_info=like.debug_info)
+
+
+def run_custom_jvp(
+  eqn: Eqn, args, body: Body, out_dtypes_of: Callable[[list], list]
+) -> list:
+  """Re-binds a ``custom_jvp`` whose primal and JVP rule run through ``body``.
+
+  The user's JVP rule (as traced) still defines the derivative; it is
+  evaluated by ``body`` at the dtypes the values now have, and its outputs
+  are cast to the primal's.
+
+  Args:
+    eqn: the ``custom_jvp_call`` equation.
+    args: its inputs.
+    body: the evaluator of a ``ClosedJaxpr``.
+    out_dtypes_of: maps the dtypes the primal produced to the dtypes to give.
+  """
+  p = eqn.params
+  call_jaxpr = p["call_jaxpr"]
+  nconsts = p["num_consts"]
+  jvp_fun = p["jvp_jaxpr_fun"]
+  orig = bind_params_of(eqn)
+  fun0, jvp0 = orig["subfuns"]
+  box = {}
+
+  def primal(*a):
+    outs = body(call_jaxpr, a)
+    target = out_dtypes_of([o.dtype for o in outs])
+    box["dtypes"] = target
+    return _casts(outs, target)
+
+  def jvp(*xs):
+    n = len(xs) // 2
+    primals, tangents = xs[nconsts:n], xs[n + nconsts :]
+    zeros = [type(t) is _SymbolicZero for t in tangents]
+    jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*zeros)
+    nz = [t for t in tangents if type(t) is not _SymbolicZero]
+    cj = ClosedJaxpr(jaxpr, consts)
+    nz = [
+      _cast(t, _tangent_dtype(pr))
+      for t, pr in zip(nz, _nonzero(primals, zeros))
+    ]
+    out = body(cj, [*primals, *nz])
+    nout = len(out_zeros)
+    out_p, out_t = out[:nout], out[nout:]
+    target = box.get("dtypes") or out_dtypes_of([o.dtype for o in out_p])
+    out_p = _casts(out_p, target)
+    it = iter(_casts(out_t, [d for d, z in zip(target, out_zeros) if not z]))
+    out_t = [
+      _SymbolicZero(typeof(pr).to_tangent_aval()) if z else next(it)
+      for pr, z in zip(out_p, out_zeros)
+    ]
+    return [*out_p, *out_t]
+
+  out = eqn.primitive.bind(
+    *args,
+    subfuns=(_wrap(primal, fun0), _wrap(jvp, jvp0)),
+    symbolic_zeros=p["symbolic_zeros"],
+  )
+  return list(out)
+
+
+def _nonzero(xs, zeros):
+  return [x for x, z in zip(xs, zeros) if not z]
+
+
+def _tangent_dtype(x):
+  return typeof(x).to_tangent_aval().dtype
+
+
+def bind_params_of(eqn: Eqn) -> dict:
+  bp = eqn.primitive.get_bind_params(dict(eqn.params))
+  if isinstance(bp, tuple):  # pragma: no cover - jax < 0.7
+    subfuns, bp = bp
+    bp = dict(bp, subfuns=tuple(subfuns))
+  return bp
+
+
+def run_custom_vjp(
+  eqn: Eqn, args, body: Body, out_dtypes_of: Callable[[list], list]
+) -> list:
+  """Re-binds a ``custom_vjp`` whose primal and fwd rule run through ``body``.
+
+  The user's bwd rule is kept as it is: it receives the residuals the fwd
+  rule now produces (e.g. half-precision activations) and the cotangents of
+  the outputs; its results are cast to the dtypes of the inputs.
+  """
+  p = eqn.params
+  call_jaxpr = p["call_jaxpr"]
+  nconsts = p["num_consts"]
+  thunk = p["fwd_jaxpr_thunk"]
+  orig = bind_params_of(eqn)
+  fun0, fwd0, bwd0 = orig["subfuns"]
+  in_dtypes = [typeof(a).to_tangent_aval().dtype for a in args]
+  in_tangent_avals = [typeof(a).to_tangent_aval() for a in args]
+  box = {}
+
+  def primal(*a):
+    outs = body(call_jaxpr, a)
+    target = out_dtypes_of([o.dtype for o in outs])
+    box["dtypes"] = target
+    return _casts(outs, target)
+
+  def fwd(*a):
+    vals, nonzeros = a[::2], a[1::2]
+    if any(nonzeros[:nconsts]):
+      from jax._src.interpreters import ad  # pylint: disable=g-import-not-at-top
+
+      raise ad.CustomVJPException()
+    primals = vals[nconsts:]
+    jaxpr, consts = thunk.call_wrapped(*nonzeros[nconsts:])
+    outs = body(ClosedJaxpr(jaxpr, consts), primals)
+    nres = len(outs) - len(call_jaxpr.out_avals)
+    res, prim_out = outs[:nres], outs[nres:]
+    target = box.get("dtypes") or out_dtypes_of([o.dtype for o in prim_out])
+    return [*res, *_casts(prim_out, target)]
+
+  def bwd(*a):
+    cts = bwd0.call_wrapped(*a)
+    out = []
+    for ct, dt, aval in zip(cts, in_dtypes, in_tangent_avals):
+      if isinstance(ct, _Zero):
+        out.append(_Zero(aval))
+      elif isinstance(ct, _SymbolicZero):
+        out.append(_SymbolicZero(aval))
+      else:
+        out.append(_cast(ct, dt))
+    return out
+
+  rest = {k: v for k, v in orig.items() if k != "subfuns"}
+  out = eqn.primitive.bind(
+    *args,
+    subfuns=(_wrap(primal, fun0), _wrap(fwd, fwd0), _wrap(bwd, bwd0)),
+    **rest,
+  )
+  return list(out)
+
+
+# --------------------------------------------------------------------------
+# Reports.
+
+
+class Described(NamedTuple):
+  primitive: str
+  source: str
+  name_stack: str
+
+
+def describe(eqn: Eqn) -> Described:
+  """The primitive, user source line and name stack of ``eqn``."""
+  info = eqn.source_info
+  frame = _si.user_frame(info.traceback)
+  source = (
+    f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    if frame
+    else "unknown"
+  )
+  return Described(eqn.primitive.name, source, str(info.name_stack))
+
+
+def literal_value(x) -> np.ndarray:
+  """A literal's value as a numpy array."""
+  return np.asarray(x)

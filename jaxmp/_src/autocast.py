@@ -1,0 +1,553 @@
+"""``jaxmp.autocast``: Apex O1 and ``torch.autocast`` for any JAX function.
+
+``autocast(fun)`` traces ``fun`` (the model left as it is, in fp32) to a jaxpr
+and runs that jaxpr again, deciding the dtype of every operation by a rule:
+
+=================== ================================ ====================== ======================= ==========================================
+jaxmp autocast      JAX primitives                   Apex O1 (CUDA)         torch.autocast (CUDA)   why jaxmp differs
+=================== ================================ ====================== ======================= ==========================================
+to ``dtype``        ``dot_general``,                 fp16: ``conv*``,       lower precision:        same rule. JAX has one primitive per
+(fp16/bf16)         ``conv_general_dilated``,        ``linear``, ``matmul``, ``conv*``, ``linear``,  family: ``einsum``, ``matmul``, ``@``,
+                    ``ragged_dot(_general)``         ``mm``, ``bmm``,       ``matmul``, ``bmm``,    ``dense`` and attention scores are all
+                                                     ``addmm``, ``prelu``   ``einsum``, ``prelu``,  ``dot_general``. ``prelu`` and RNN cells
+                                                                            RNN cells, SDPA         are compositions here: their products are
+                                                                                                    half, their pointwise ops follow the
+                                                                                                    widest-input row.
+fp32: transcendental ``exp``, ``exp2``, ``log``,        fp32: ``exp``,         fp32: ``exp``,          same ops. ``log10``/``log2`` are ``log``
+and power ops       ``log1p``, ``expm1``, ``pow``,   ``expm1``, ``log*``,   ``expm1``, ``log*``,    and a division in JAX. ``reciprocal`` is
+                    ``integer_pow``, ``square``,     ``pow``, ``rsqrt``,    ``log1p``, ``pow``,     ``div`` (widest input) or
+                    ``rsqrt``, ``tan``, ``asin``,    ``reciprocal``,        ``reciprocal``,         ``integer_pow(-1)`` (fp32). ``square`` and
+                    ``acos``, ``atan``, ``sinh``,    ``tan``, ``asin``,     ``rsqrt``, ``tan``,     ``integer_pow`` are ``pow``: the square of
+                    ``cosh``, ``asinh``, ``acosh``,  ``acos``, ``sinh``,    ``asin``, ``acos``,     an activation of 300 overflows fp16.
+                    ``atanh``, ``erf_inv``           ``cosh``, ``erfinv``   ``sinh``, ``cosh``,     ``atan``/``asinh``/``acosh``/``atanh``
+                                                                            ``erfinv``, softplus    join their family (torch leaves them
+                                                                                                    unlisted). softplus is ``log1p(exp)``
+                                                                                                    here, so fp32 through its parts.
+fp32: sums and      ``reduce_sum``, ``reduce_prod``, fp32: ``sum``,         fp32 (dtype argument):  same ops. ``mean``/``var``/``std``/norms,
+cumulative ops      ``cumsum``, ``cumprod``,         ``prod``, ``cumsum``,  ``sum``, ``prod``,      softmax, ``log_softmax``, ``logsumexp``,
+                    ``cumlogsumexp``                 ``cumprod``, ``var``,  ``cumsum``,             layer/group norm and every loss are
+                                                     ``std``, ``norm``,     ``cumprod``, softmax,   compositions of these primitives in JAX:
+                                                     softmax, layer/group   ``log_softmax``, norms, their ``exp``, ``log``, squares and sums
+                                                     norm, every loss       layer/group norm,       run in fp32, so they compute in fp32 as
+                                                                            every loss,             in Apex and torch, and their pointwise
+                                                                            ``logsumexp``           tails follow (widest input).
+widest input dtype  every other floating op          promote: ``add``,      promote: ``cat``,       the same default as torch ("unlisted ops
+(half stays half,   (``add``, ``mul``, ``max``,      ``mul``, ``div``,      ``stack``, ``atan2``,   are numerically stable in fp16"). Apex
+half + fp32 is      ``select_n``, ``tanh``,          ``cat``, ``stack``,    ``addcmul``, ``index_   lists ``gelu``, ``softplus`` and
+fp32)               ``logistic``, ``erf``, ``max``/  ``atan2``, compares;   put``; unlisted ops run ``interpolate`` as fp32: in JAX their
+                    ``min`` reductions, ``concat``,  unlisted ops run in    in the input's dtype.   ``exp``/``pow`` parts are fp32 and the rest
+                    gathers, collectives...)         the input's dtype.                             follows. Python scalars never widen an op
+                                                                                                    (as in torch and JAX); an fp32 constant
+                                                                                                    too large for ``dtype`` does.
+left alone          integer, bool, float64 (and      —                      —                       fp64 is an explicit choice in JAX
+                    fp8) values; explicit                                                           (``jax_enable_x64``); a user's
+                    ``astype``/``convert_element_                                                   ``astype`` is kept as written.
+                    type``; bitcasts, callbacks
+banned              —                                ``binary_cross_       ``binary_cross_         nothing is banned: JAX's BCE is
+                                                     entropy``              entropy``               ``log``/``log1p`` of fp32 values here.
+=================== ================================ ====================== ======================= ==========================================
+
+Everywhere JAX code goes: ``jit`` bodies are rewritten and re-bound (same name
+and shardings); ``scan``, ``while_loop``, ``cond``/``switch``, ``checkpoint``
+and ``shard_map`` (same mesh, specs and axis names, collectives inside) are
+re-emitted through ``jax.lax``/``jax.shard_map`` with their bodies rewritten;
+loop carries keep their traced dtype (so a loop's type is fixed). For
+``custom_jvp``/``custom_vjp`` the primal and the forward rule are rewritten and
+the user's rule still defines the derivative: a bwd rule that clips the
+cotangent still clips it, and ``jaxmp.nn.BatchNorm`` still saves its input in
+half precision for its backward pass.
+
+The backward pass: ``dot_general`` is bound with half inputs and a half
+``preferred_element_type``, so its transposes (the backward products) are half
+x half too, as in torch; the casts of fp32 parameters transpose to casts back,
+so gradients with respect to fp32 inputs are fp32.
+
+Regions: :func:`no_autocast` (Apex's ``amp.float_function``) runs its function
+in fp32 and is left alone by an enclosing ``autocast``; a nested ``autocast``
+region keeps its own dtype. Both are ``jit`` calls with a marker name, so they
+survive being traced anywhere.
+"""
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src import _jaxpr_interp as ji
+
+logger = logging.getLogger("jaxmp")
+
+_F16 = jnp.dtype(jnp.float16)
+_BF16 = jnp.dtype(jnp.bfloat16)
+_F32 = jnp.dtype(jnp.float32)
+_CASTABLE = frozenset({_F16, _BF16, _F32})
+_HALF = frozenset({_F16, _BF16})
+
+#: Primitives that run in the autocast dtype.
+LOWER_PRECISION = frozenset(
+  {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
+)
+#: Primitives that run in float32.
+FLOAT32 = frozenset(
+  {
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "pow",
+    "integer_pow",
+    "square",
+    "rsqrt",
+    "tan",
+    "asin",
+    "acos",
+    "atan",
+    "sinh",
+    "cosh",
+    "asinh",
+    "acosh",
+    "atanh",
+    "erf_inv",
+    "reduce_sum",
+    "reduce_prod",
+    "cumsum",
+    "cumprod",
+    "cumlogsumexp",
+  }
+)
+# Operands are independent values: each keeps its dtype.
+_INDEPENDENT = frozenset(
+  {
+    "psum",
+    "psum_invariant",
+    "pmax",
+    "pmin",
+    "ppermute",
+    "pbroadcast",
+    "all_gather",
+    "all_gather_invariant",
+    "all_to_all",
+    "reduce_scatter",
+    "psum_scatter",
+    "optimization_barrier",
+    "sort",
+    "pvary",
+    "pcast",
+  }
+)
+# Run at the traced dtypes: the meaning depends on the bits or on the user.
+_AS_TRACED = frozenset(
+  {
+    "bitcast_convert_type",
+    "pure_callback",
+    "io_callback",
+    "debug_callback",
+    "ffi_call",
+    "custom_call",
+  }
+)
+
+_AUTOCAST_MARK = "jaxmp_autocast"
+_NO_AUTOCAST_MARK = "jaxmp_no_autocast"
+
+
+class AutocastReport(NamedTuple):
+  """Where an autocast forward pass first overflowed.
+
+  Attributes:
+    primitive: the JAX primitive (e.g. ``"dot_general"``).
+    source: the user's source line, ``"file.py:12 (fn)"``.
+    name_stack: the Flax/JAX name stack (``jax.named_scope``), or ``""``.
+    dtype: the half-precision dtype of the non-finite output.
+  """
+
+  primitive: str
+  source: str
+  name_stack: str
+  dtype: str
+
+  def __str__(self) -> str:
+    """One line: the primitive, name stack and source line."""
+    where = f" in {self.name_stack}" if self.name_stack else ""
+    return (
+      f"autocast: the first non-finite {self.dtype} output from finite "
+      f"inputs is {self.primitive}{where} at {self.source}"
+    )
+
+
+def _castable(dtype) -> bool:
+  return jnp.dtype(dtype) in _CASTABLE
+
+
+def _is_float(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _cast(x, dtype):
+  dtype = jnp.dtype(dtype)
+  if isinstance(x, (np.ndarray, np.generic)):
+    return np.asarray(x).astype(dtype) if x.dtype != dtype else x
+  if x.dtype == dtype:
+    return x
+  return lax.convert_element_type(x, dtype)
+
+
+def _widest(dtypes) -> Optional[np.dtype]:
+  dtypes = list(dtypes)
+  if not dtypes:
+    return None
+  return jnp.dtype(functools.reduce(jnp.promote_types, dtypes))
+
+
+@dataclasses.dataclass
+class _Sink:
+  """Debug flags of one autocast region, in program order."""
+
+  flags: list
+  where: list
+
+
+class _Interpreter:
+  """Evaluates jaxprs with the autocast rules, in dtype ``dtype``."""
+
+  def __init__(self, dtype):
+    self.dtype = jnp.dtype(dtype)
+    self.max = float(jnp.finfo(self.dtype).max)
+
+  # A literal is weak (a Python scalar: never widens an op) unless it does not
+  # fit in the autocast dtype (e.g. finfo(float32).min as a mask value).
+  def _weak_literal(self, value) -> bool:
+    v = np.asarray(value)
+    if not _is_float(v.dtype) or v.size != 1:
+      return v.size == 1
+    f = float(v.reshape(()))
+    return not np.isfinite(f) or abs(f) <= self.max
+
+  def run(self, jaxpr, args, weak=None, sink=None):
+    def handle(eqn, invals, inweak):
+      return self._eqn(eqn, invals, inweak, sink)
+
+    outs, _ = ji.evaluate(
+      jaxpr, list(args), handle, weak, weak_literal=self._weak_literal
+    )
+    return outs
+
+  def _body(self, inweak=None):
+    def body(jaxpr, args):
+      w = inweak if inweak is not None and len(inweak) == len(args) else None
+      return self.run(jaxpr, args, w)
+
+    return body
+
+  def _eqn(self, eqn, invals, inweak, sink):
+    k = ji.kind(eqn)
+    inlined = False
+    if k is None:
+      outs = self._first_order(eqn, invals, inweak)
+    elif k == "jit":
+      name = ji.call_name(eqn)
+      if _NO_AUTOCAST_MARK in name or _AUTOCAST_MARK in name:
+        outs = _as_traced(eqn, invals)
+      elif sink is not None:
+        outs = self.run(ji.params(eqn)["jaxpr"], invals, inweak, sink)
+        inlined = True
+      else:
+        outs = ji.run_jit(eqn, invals, self._body(inweak))
+    elif k == "call":
+      outs = self.run(
+        ji.closed(
+          ji.params(eqn).get("call_jaxpr", ji.params(eqn).get("jaxpr"))
+        ),
+        invals,
+        inweak,
+        sink,
+      )
+      inlined = True
+    elif k == "remat":
+      outs = ji.run_remat(eqn, invals, self._body(inweak))
+    elif k == "cond":
+      outs = ji.run_cond(eqn, invals, self._body(inweak[1:]), _unify)
+    elif k == "scan":
+      outs = ji.run_scan(eqn, invals, self._body(inweak))
+    elif k == "while":
+      outs = ji.run_while(eqn, invals, self._body())
+    elif k == "shard_map":
+      outs = ji.run_shard_map(eqn, invals, self._body(inweak))
+    elif k == "custom_jvp":
+      outs = ji.run_custom_jvp(eqn, invals, self._body(inweak), list)
+    elif k == "custom_vjp":
+      outs = ji.run_custom_vjp(eqn, invals, self._body(inweak), list)
+    else:
+      outs = _as_traced(eqn, invals)
+    if sink is not None and not inlined:
+      _check(sink, eqn, invals, outs)
+    weak = all(inweak)
+    return outs, [weak] * len(outs)
+
+  def _first_order(self, eqn, invals, inweak):
+    avals = ji.in_avals(eqn)
+    name = ji.primitive_name(eqn)
+    if name in _AS_TRACED or any(
+      _is_float(a.dtype) and not _castable(a.dtype) for a in avals
+    ):
+      return _as_traced(eqn, invals)
+    idx = [i for i, a in enumerate(avals) if _castable(a.dtype)]
+    if not idx or name in _INDEPENDENT:
+      return ji.bind(eqn, invals)
+    updates = {}
+    if name in LOWER_PRECISION:
+      target = self.dtype
+      pet = ji.params(eqn).get("preferred_element_type")
+      if pet is not None and _castable(pet):
+        if all(jnp.dtype(avals[i].dtype) == jnp.dtype(pet) for i in idx):
+          updates["preferred_element_type"] = target
+    elif name in FLOAT32:
+      target = _F32
+    else:
+      strong = [invals[i].dtype for i in idx if not inweak[i]]
+      target = _widest(strong or [invals[i].dtype for i in idx])
+    args = list(invals)
+    for i in idx:
+      args[i] = _cast(args[i], target)
+    return ji.bind(eqn, args, **updates)
+
+
+def _as_traced(eqn, invals):
+  """Binds ``eqn`` unchanged, its float inputs cast back to the traced dtypes."""
+  args = [
+    _cast(x, a.dtype) if _castable(a.dtype) else x
+    for x, a in zip(invals, ji.in_avals(eqn))
+  ]
+  return ji.bind(eqn, args)
+
+
+def _unify(branch_dtypes):
+  """Per output, the widest dtype among branches (castable floats only)."""
+  out = []
+  for ds in zip(*branch_dtypes):
+    if all(_castable(d) for d in ds):
+      out.append(_widest(ds))
+    else:
+      out.append(ds[0])
+  return out
+
+
+def _check(sink, eqn, invals, outs):
+  """Appends a flag: half output non-finite while float inputs were finite."""
+  half = [o for o in outs if hasattr(o, "dtype") and o.dtype in _HALF]
+  if not half:
+    return
+  floats = [
+    x
+    for x in invals
+    if hasattr(x, "dtype")
+    and _is_float(x.dtype)
+    and not isinstance(x, (np.ndarray, np.generic))
+  ]
+  finite_in = jnp.bool_(True)
+  for x in floats:
+    finite_in = finite_in & jnp.all(jnp.isfinite(x))
+  bad_out = jnp.bool_(False)
+  for o in half:
+    bad_out = bad_out | ~jnp.all(jnp.isfinite(o))
+  sink.flags.append(finite_in & bad_out)
+  d = ji.describe(eqn)
+  sink.where.append(
+    AutocastReport(d.primitive, d.source, d.name_stack, str(half[0].dtype))
+  )
+
+
+# ---------------------------------------------------------------------------
+# Regions: a cached, named jit of a function of arbitrary pytrees.
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+class _Region:
+  """``fun`` of any pytrees as a named ``jit`` of its array leaves.
+
+  Non-array leaves (Python scalars, strings, callables, Equinox static
+  fields, ``mutable=[...]``) are closed over and key a cache of jitted
+  functions; ``jit``'s own cache then keys on shapes and dtypes, so an eager
+  call traces ``fun`` once per signature.
+  """
+
+  def __init__(self, fun, name: str, impl: Callable):
+    self.fun = fun
+    self.name = name
+    self.impl = impl  # impl(flat_fun, dyn) -> outs, with flat_fun traceable.
+    self.cache: dict = {}
+
+  def __call__(self, *args, **kwargs):
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    mask = tuple(_is_array(x) for x in leaves)
+    dyn = [x for x, m in zip(leaves, mask) if m]
+    static = tuple(x for x, m in zip(leaves, mask) if not m)
+    key = (treedef, mask, static)
+    try:
+      entry = self.cache.get(key)
+    except TypeError:  # Unhashable static leaves: no cache.
+      key, entry = None, None
+    if entry is None:
+      entry = self._make(treedef, mask, static)
+      if key is not None:
+        self.cache[key] = entry
+    jitted, outinfo = entry
+    outs = jitted(*dyn)
+    sig = _signature(dyn)
+    out_tree, out_mask, out_static = outinfo.get(sig, outinfo["last"])
+    it, st = iter(outs), iter(out_static)
+    out_leaves = [next(it) if m else next(st) for m in out_mask]
+    return jax.tree_util.tree_unflatten(out_tree, out_leaves)
+
+  def _make(self, treedef, mask, static):
+    outinfo: dict = {}
+    fun = self.fun
+
+    def flat_fun(*dyn):
+      it, st = iter(dyn), iter(static)
+      leaves = [next(it) if m else next(st) for m in mask]
+      args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+      out = fun(*args, **kwargs)
+      out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+      out_mask = tuple(_is_array(x) for x in out_leaves)
+      info = (
+        out_tree,
+        out_mask,
+        tuple(x for x, m in zip(out_leaves, out_mask) if not m),
+      )
+      outinfo[_signature(dyn)] = outinfo["last"] = info
+      return [x for x, m in zip(out_leaves, out_mask) if m]
+
+    impl = self.impl
+
+    def region(*dyn):
+      return impl(flat_fun, dyn)
+
+    region.__name__ = region.__qualname__ = self.name
+    return jax.jit(region), outinfo
+
+
+def _signature(dyn) -> tuple:
+  return tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in dyn)
+
+
+def _report_fn(debug, where):
+  def report(flags):
+    flags = np.asarray(flags).reshape(-1, len(where))
+    hit = np.any(flags, axis=0)
+    if not hit.any():
+      return
+    rep = where[int(np.argmax(hit))]
+    logger.warning("%s", rep)
+    if callable(debug):
+      debug(rep)
+
+  return report
+
+
+def autocast(
+  fun: Callable,
+  dtype: Any = jnp.float16,
+  *,
+  debug: Union[bool, Callable[[AutocastReport], Any]] = False,
+) -> Callable:
+  """Runs ``fun`` with Apex O1 / ``torch.autocast`` rules, the model unchanged.
+
+  Matrix products and convolutions run in ``dtype``; exp, log, powers, sums
+  and cumulative ops run in float32; every other floating op runs in the
+  widest floating dtype of its inputs (see the module docstring for the
+  table and its mapping to Apex and torch). Integer, bool and float64 values
+  are left alone. ``fun`` is traced once per input signature: eager calls
+  are jitted and cached.
+
+  Args:
+    fun: any JAX function of pytrees (a Flax ``apply``, an Equinox module
+      call, a loss function); non-array leaves and keyword arguments such as
+      ``train=True`` or ``mutable=["batch_stats"]`` are static.
+    dtype: the lower precision, ``jnp.float16`` (default) or
+      ``jnp.bfloat16``.
+    debug: off (``False``, the default) costs nothing. ``True`` checks every
+      operation with a half-precision output and, when one first produced a
+      non-finite value from finite inputs, logs an :class:`AutocastReport`
+      (primitive, source line, name stack) as a warning on the ``"jaxmp"``
+      logger; a callable is also given the report. The flags are computed on
+      the device and reported by one ``jax.debug.callback`` per call.
+
+  Returns:
+    A function with ``fun``'s signature.
+
+  >>> import jax, jax.numpy as jnp, jaxmp
+  >>> def mlp(w, x):
+  ...   return jnp.log(jnp.sum(jnp.exp(jax.nn.relu(x @ w))))
+  >>> f = jaxmp.autocast(mlp)
+  >>> w, x = jnp.full((3, 2), 0.5), jnp.ones((4, 3))
+  >>> print(f(w, x).dtype, jax.grad(f)(w, x).dtype)
+  float32 float32
+  >>> dots = [e for e in jax.make_jaxpr(f)(w, x).eqns[0].params["jaxpr"].eqns
+  ...         if e.primitive.name == "dot_general"]
+  >>> [str(v.aval.dtype) for v in dots[0].invars]
+  ['float16', 'float16']
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype not in _HALF:
+    raise ValueError(
+      f"autocast dtype must be float16 or bfloat16, got {dtype.name}"
+    )
+  interp = _Interpreter(dtype)
+
+  def impl(flat_fun, dyn):
+    traced = ji.trace(flat_fun, [ji.typeof(x) for x in dyn])
+    weak = [ji.typeof(x).weak_type for x in dyn]
+    if not debug:
+      return interp.run(traced, dyn, weak)
+    sink = _Sink([], [])
+    outs = interp.run(traced, dyn, weak, sink)
+    if sink.flags:
+      jax.debug.callback(_report_fn(debug, sink.where), jnp.stack(sink.flags))
+    return outs
+
+  return _wrap(fun, _Region(fun, f"{_AUTOCAST_MARK}_{dtype.name}", impl))
+
+
+def _wrap(fun, region):
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    return region(*args, **kwargs)
+
+  return wrapped
+
+
+def no_autocast(fun: Callable) -> Callable:
+  """Runs ``fun`` in float32, left alone by an enclosing :func:`autocast`.
+
+  The opt-out of Apex's ``amp.float_function``: half-precision floating
+  inputs are cast to float32, and an enclosing ``autocast`` does not touch
+  the operations inside (they are a ``jit`` region with a marker name).
+
+  Args:
+    fun: any JAX function of pytrees.
+
+  Returns:
+    A function with ``fun``'s signature.
+
+  >>> import jax.numpy as jnp, jaxmp
+  >>> def f(w, x):
+  ...   return jaxmp.no_autocast(lambda a, b: b @ a)(w, x) + x @ w
+  >>> w, x = jnp.ones((3, 3)), jnp.ones((2, 3))
+  >>> jaxmp.autocast(f)(w, x).dtype  # fp32 + half: fp32
+  dtype('float32')
+  """
+
+  def impl(flat_fun, dyn):
+    return flat_fun(*[_cast(x, _F32) if x.dtype in _HALF else x for x in dyn])
+
+  return _wrap(fun, _Region(fun, _NO_AUTOCAST_MARK, impl))
