@@ -138,7 +138,7 @@ def initialize(
   Raises:
     TypeError: ``apply_fn`` is given and not callable.
 
-  >>> import jax.numpy as jnp, optax, jaxmp
+  >>> import jax, jax.numpy as jnp, optax, jaxmp
   >>> params = {"Dense_0": {"kernel": jnp.ones((2, 2))},
   ...           "BatchNorm_0": {"scale": jnp.ones(2)}}
   >>> params, opt = jaxmp.initialize(params, optax.sgd(0.1), "O2")
@@ -149,15 +149,14 @@ def initialize(
 
   O1 keeps the model fp32 and returns its forward under autocast:
 
-  >>> import flax.linen as nn
-  >>> model = nn.Dense(3)
-  >>> x = jnp.ones((2, 4))
-  >>> variables = model.init(jax.random.key(0), x)
-  >>> apply, variables, opt = jaxmp.initialize(
-  ...     variables, optax.sgd(0.1), "O1", apply_fn=model.apply)
-  >>> variables["params"]["kernel"].dtype
-  dtype('float32')
-  >>> "dot_general" in str(jax.make_jaxpr(apply)(variables, x))
+  >>> def apply(params, x):
+  ...   return jax.nn.relu(x @ params["w"])
+  >>> apply, params, opt = jaxmp.initialize(
+  ...     {"w": jnp.ones((4, 3))}, optax.sgd(0.1), "O1", apply_fn=apply)
+  >>> params["w"].dtype, apply(params, jnp.ones((2, 4))).dtype
+  (dtype('float32'), dtype('float32'))
+  >>> jaxpr = jax.make_jaxpr(apply)(params, jnp.ones((2, 4)))
+  >>> "f16[2,3] = dot_general" in str(jaxpr)  # the product in fp16
   True
   """
   if apply_fn is not None and not callable(apply_fn):
