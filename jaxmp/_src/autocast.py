@@ -182,7 +182,10 @@ class AutocastReport(NamedTuple):
 
 
 def _castable(dtype) -> bool:
-  return jnp.dtype(dtype) in _CASTABLE
+  try:
+    return jnp.dtype(dtype) in _CASTABLE
+  except TypeError:  # PRNG key types and other extended dtypes.
+    return False
 
 
 def _is_float(dtype) -> bool:
@@ -437,7 +440,7 @@ class _Region:
 
 
 def _signature(dyn) -> tuple:
-  return tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in dyn)
+  return tuple((tuple(x.shape), str(x.dtype)) for x in dyn)
 
 
 def _report_fn(debug, where):

@@ -1,0 +1,915 @@
+"""jaxmp.autocast: the rules, everywhere JAX code goes, and its debug report.
+
+Dtype checks read jaxprs (no compilation). Values are compared with fp32
+within bounds derived from the unit roundoff of the half dtype (2**-11 for
+fp16, 2**-8 for bf16) times the magnitude and count of what is summed.
+"""
+
+import functools
+import logging
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmp
+from jaxmp._src import _jaxpr_interp as ji
+from jaxmp._src import autocast as ac
+
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+U = {jnp.dtype(F16): 2.0**-11, jnp.dtype(BF16): 2.0**-8}
+
+
+def _subjaxprs(params):
+  for v in params.values():
+    for u in v if isinstance(v, (tuple, list)) else (v,):
+      if isinstance(u, ji.ClosedJaxpr):
+        yield u.jaxpr
+      elif hasattr(u, "eqns"):
+        yield u
+
+
+def eqns(jaxpr, name=None):
+  """Every equation (recursively through sub-jaxprs) named ``name``."""
+  out = []
+
+  def walk(j):
+    for e in j.eqns:
+      if name is None or e.primitive.name == name:
+        out.append(e)
+      for sub in _subjaxprs(e.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr if isinstance(jaxpr, ji.ClosedJaxpr) else jaxpr)
+  return out
+
+
+def dtypes_of(eqn):
+  return tuple(str(v.aval.dtype) for v in eqn.invars)
+
+
+def products(jaxpr):
+  """Input dtypes of every dot_general/conv in ``jaxpr``."""
+  return [
+    dtypes_of(e)
+    for e in eqns(jaxpr)
+    if e.primitive.name
+    in ("dot_general", "conv_general_dilated", "ragged_dot_general")
+  ]
+
+
+def assert_all_half(jaxpr, half="float16"):
+  found = products(jaxpr)
+  assert found, "no matrix product in the jaxpr"
+  for d in found:
+    assert all(t == half for t in d if t.startswith(("float", "bfloat"))), found
+
+
+def dot_tol(x, w, dtype=F16):
+  """Bound on |half x @ w - fp32 x @ w|: K+3 roundings of sum |x||w|."""
+  k = x.shape[-1]
+  return (k + 3) * U[jnp.dtype(dtype)] * (np.abs(x) @ np.abs(w))
+
+
+def assert_within(got, want, tol):
+  err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+  assert np.all(err <= tol), (err.max(), np.max(tol))
+
+
+def matmul_tol(a, b, dtype=F16):
+  """Elementwise bound for a @ b with both factors rounded to ``dtype``."""
+  k = a.shape[-1]
+  return (k + 3) * U[jnp.dtype(dtype)] * (np.abs(a) @ np.abs(b))
+
+
+W = jnp.linspace(-1.0, 1.0, 12, dtype=F32).reshape(3, 4)
+X = jnp.linspace(-2.0, 2.0, 24, dtype=F32).reshape(8, 3) ** 3
+
+
+# ---------------------------------------------------------------------------
+# The rules, row by row.
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_matrix_products_run_in_dtype_forward_and_backward(dtype):
+  def f(w, x, k):
+    h = jax.nn.relu(x @ w)  # dot_general
+    img = h.reshape(2, 4, 4, 1)
+    y = lax.conv_general_dilated(
+      img, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    return jnp.sum(y)
+
+  k = jnp.ones((3, 3, 1, 2), F32) / 9
+  g = jaxmp.autocast(f, dtype)
+  half = jnp.dtype(dtype).name
+  fwd = jax.make_jaxpr(g)(W, X, k)
+  assert_all_half(fwd, half)
+  assert len(products(fwd)) == 2
+  bwd = jax.make_jaxpr(jax.grad(g, argnums=(0, 2)))(W, X, k)
+  # Forward 2, backward: dW (1), dK and dimg (2), dh (1).
+  assert len(products(bwd)) >= 5
+  assert_all_half(bwd, half)
+  grads = jax.grad(g, argnums=(0, 2))(W, X, k)
+  assert [gr.dtype for gr in grads] == [F32, F32]
+  ref = jax.grad(f, argnums=(0, 2))(W, X, k)
+  # dW = x^T (dy/dh), |dy/dh| <= 9 * 2 * |k| ... bounded by a loose
+  # product bound: every factor rounded to half, sums of <= 72 terms.
+  for gr, r in zip(grads, ref):
+    scale = float(jnp.sum(jnp.abs(r))) + 1.0
+    assert float(jnp.max(jnp.abs(gr - r))) <= 100 * U[jnp.dtype(dtype)] * (
+      scale + float(jnp.sum(jnp.abs(X))) * 9
+    )
+
+
+def test_preferred_element_type_is_not_fp32():
+  # An fp32 accumulation type would make the transposes fp32 x fp32.
+  g = jaxmp.autocast(lambda w, x: jnp.sum(x @ w))
+  for e in eqns(jax.make_jaxpr(jax.grad(g))(W, X), "dot_general"):
+    assert e.params["preferred_element_type"] == jnp.float16
+
+
+def test_user_preferred_element_type_is_kept():
+  def f(w, x):
+    return lax.dot(
+      x.astype(F16), w.astype(F16), preferred_element_type=jnp.float32
+    )
+
+  (e,) = eqns(jax.make_jaxpr(jaxmp.autocast(f))(W, X), "dot_general")
+  assert e.params["preferred_element_type"] == jnp.float32
+
+
+@pytest.mark.skipif(not hasattr(lax, "ragged_dot"), reason="no ragged_dot")
+def test_ragged_dot_runs_in_dtype():
+  gs = jnp.array([4, 4], jnp.int32)
+  g = jaxmp.autocast(lambda a, b: lax.ragged_dot(a, b, gs))
+  (e,) = eqns(jax.make_jaxpr(g)(X, jnp.ones((2, 3, 5))), "ragged_dot_general")
+  assert dtypes_of(e) == ("float16", "float16", "int32")
+
+
+_FP32_OPS = {
+  "exp": jnp.exp,
+  "exp2": jnp.exp2,
+  "log": lambda h: jnp.log(jnp.abs(h) + 1),
+  "log1p": lambda h: jnp.log1p(jnp.abs(h)),
+  "expm1": jnp.expm1,
+  "pow": lambda h: lax.pow(jnp.abs(h), jnp.float32(1.5) + h * 0),
+  "integer_pow": lambda h: h**3,
+  "square": jnp.square,
+  "rsqrt": lambda h: lax.rsqrt(jnp.abs(h) + 1),
+  "tan": jnp.tan,
+  "asin": lambda h: jnp.arcsin(jnp.tanh(h)),
+  "acos": lambda h: jnp.arccos(jnp.tanh(h)),
+  "atan": jnp.arctan,
+  "sinh": jnp.sinh,
+  "cosh": jnp.cosh,
+  "asinh": jnp.arcsinh,
+  "acosh": lambda h: jnp.arccosh(jnp.abs(h) + 1),
+  "atanh": lambda h: jnp.arctanh(jnp.tanh(h) / 2),
+  "erf_inv": lambda h: lax.erf_inv(jnp.tanh(h) / 2),
+  "reduce_sum": jnp.sum,
+  "reduce_prod": jnp.prod,
+  "cumsum": lambda h: jnp.cumsum(h, axis=0),
+  "cumprod": lambda h: jnp.cumprod(h, axis=0),
+  "cumlogsumexp": lambda h: lax.cumlogsumexp(h, axis=0),
+}
+
+
+def test_float32_list_is_the_issues_list():
+  assert set(_FP32_OPS) == set(ac.FLOAT32)
+
+
+@pytest.mark.parametrize("name", sorted(_FP32_OPS))
+def test_float32_row(name):
+  op = _FP32_OPS[name]
+  g = jaxmp.autocast(lambda w, x: op(x @ w))
+  found = eqns(jax.make_jaxpr(g)(W, X), name)
+  assert found, f"{name} not in the jaxpr"
+  for e in found:
+    assert all(d == "float32" for d in dtypes_of(e)), (name, dtypes_of(e))
+    assert str(e.outvars[0].aval.dtype) == "float32"
+
+
+def test_widest_input_row():
+  b32 = jnp.ones((4,), F32)
+
+  def f(w, x):
+    h = x @ w  # f16
+    relu = jax.nn.relu(h)  # half stays half (0.0 is a Python scalar)
+    t = jnp.tanh(h)  # half
+    biased = h + b32  # half + fp32 bias -> fp32
+    masked = jnp.where(h > 0, h, 0.0)  # weak zeros: half
+    big = jnp.where(h > 0, h, jnp.finfo(F32).min)  # too big for half: fp32
+    bigger = jnp.maximum(h, 1e6)  # 1e6 does not fit fp16: fp32
+    return relu, t, biased, masked, big, bigger
+
+  outs = jaxmp.autocast(f)(W, X)
+  assert [str(o.dtype) for o in outs] == [
+    "float16",
+    "float16",
+    "float32",
+    "float16",
+    "float32",
+    "float32",
+  ]
+  np.testing.assert_array_equal(outs[4] == jnp.finfo(F32).min, ~(outs[0] > 0))
+
+
+def test_integer_bool_float64_and_explicit_casts_are_left_alone():
+  def f(w, x, i):
+    j = i * 3 + 1  # int
+    m = (x @ w) > 0  # bool
+    y = (x @ w).astype(jnp.bfloat16)  # the user's cast: kept
+    return j, m, y
+
+  j, m, y = jaxmp.autocast(f)(W, X, jnp.arange(4))
+  assert (j.dtype, m.dtype, y.dtype) == (jnp.int32, jnp.bool_, BF16)
+  with jax.enable_x64(True):
+    w64, x64 = W.astype(jnp.float64), X.astype(jnp.float64)
+    g = jaxmp.autocast(lambda w, x: jnp.exp(x @ w) + 1.0)
+    (e,) = eqns(jax.make_jaxpr(g)(w64, x64), "dot_general")
+    assert dtypes_of(e) == ("float64", "float64")
+    assert g(w64, x64).dtype == jnp.float64
+
+
+def test_bad_dtype_is_an_error():
+  with pytest.raises(ValueError, match="float16 or bfloat16"):
+    jaxmp.autocast(jnp.sum, jnp.float32)
+
+
+def test_signature_is_kept():
+  def apply(params, x, *, train=False):
+    """Doc."""
+    return x
+
+  g = jaxmp.autocast(apply)
+  assert g.__name__ == "apply" and g.__doc__ == "Doc."
+  assert g.__wrapped__ is apply
+
+
+# ---------------------------------------------------------------------------
+# Values against fp32, and the numerics that fp16 everywhere gets wrong.
+
+
+def _mlp(params, x):
+  for w, b in params[:-1]:
+    x = jax.nn.relu(x @ w + b)
+  w, b = params[-1]
+  return x @ w + b
+
+
+def test_values_and_grads_match_fp32_within_half_rounding():
+  keys = jax.random.split(jax.random.key(0), 3)
+  sizes = [(3, 8), (8, 8), (8, 2)]
+  params = [
+    (jax.random.normal(k, s) / np.sqrt(s[0]), jnp.zeros(s[1]))
+    for k, s in zip(keys, sizes)
+  ]
+
+  def loss(params, x):
+    return jnp.mean(jnp.square(_mlp(params, x)))
+
+  g = jaxmp.autocast(loss)
+  v, gr = jax.value_and_grad(g)(params, X)
+  v32, gr32 = jax.value_and_grad(loss)(params, X)
+  assert v.dtype == F32
+  # Each layer: K <= 8 products of magnitudes <= sum|x||w|; three layers
+  # compound the relative error: (K + 3) u per layer, 3 layers, squared.
+  amp = float(jnp.mean(jnp.square(jnp.abs(_mlp_abs(params, X)))))
+  u = U[jnp.dtype(F16)]
+  assert abs(float(v) - float(v32)) <= 2 * 3 * (8 + 3) * u * amp
+  for a, b in zip(jax.tree.leaves(gr), jax.tree.leaves(gr32)):
+    assert a.dtype == F32
+    assert float(jnp.max(jnp.abs(a - b))) <= 4 * 3 * (8 + 3) * u * amp
+  assert_all_half(jax.make_jaxpr(jax.grad(g))(params, X))
+
+
+def _mlp_abs(params, x):
+  """The MLP on |x|, |w|, |b|: bounds every intermediate's magnitude."""
+  x = jnp.abs(x)
+  for w, b in params:
+    x = x @ jnp.abs(w) + jnp.abs(b)
+  return x
+
+
+def _half_everywhere(f, *args):
+  return f(*jax.tree.map(lambda a: a.astype(F16), args))
+
+
+def test_logsumexp_of_products_near_12():
+  # exp(12) = 162755 > 65504: fp16 overflows; autocast runs exp/sum in fp32.
+  x = jnp.full((4, 3), 2.0)
+  w = jnp.full((3, 5), 2.0)  # products x @ w = 12
+
+  def lse(w, x):
+    return jnp.log(jnp.sum(jnp.exp(x @ w)))
+
+  assert not np.isfinite(float(_half_everywhere(lse, w, x)))
+  got = jaxmp.autocast(lse)(w, x)
+  want = 12.0 + np.log(20.0)
+  # x @ w = 12 exactly in half; exp/sum/log in fp32.
+  assert abs(float(got) - want) <= 1e-5 * want
+
+
+def test_variance_of_activations_near_300():
+  # Squares of 300 (90000) overflow fp16; autocast squares in fp32.
+  x = jnp.linspace(290.0, 310.0, 32).reshape(32, 1)
+  w = jnp.ones((1, 4))
+
+  def var(w, x):
+    h = x @ w
+    return jnp.mean(h**2, axis=0) - jnp.mean(h, axis=0) ** 2
+
+  assert not np.all(np.isfinite(_half_everywhere(var, w, x)))
+  got = jaxmp.autocast(var)(w, x)
+  want = np.var(np.linspace(290.0, 310.0, 32))
+  # h is exact in half up to 0.25 (spacing at 300); E[h^2] - E[h]^2 in fp32
+  # cancels ~9e4: fp32 rounding 9e4 * 2**-24 * 32 terms, and the half
+  # rounding of h moves the variance by <= 2 * 300 * 0.125.
+  tol = 2 * 300 * 0.125 + 9e4 * 2.0**-24 * 64
+  np.testing.assert_allclose(got, want, atol=tol)
+
+
+def test_softmax_of_large_logits():
+  # exp(15 * 4) overflows fp16 (and fp32 would not): exp/sum in fp32.
+  x = jnp.full((2, 4), 1.0) * jnp.array([[1.0], [0.5]])
+  w = jnp.full((4, 3), 3.75) * jnp.array([1.0, 0.9, 0.8])
+
+  def softmax(w, x):
+    z = x @ w
+    e = jnp.exp(z)
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+  assert not np.all(np.isfinite(_half_everywhere(softmax, w, x)))
+  got = jaxmp.autocast(softmax)(w, x)
+  want = jax.nn.softmax(np.asarray(x) @ np.asarray(w), axis=-1)
+  # Logits rounded to half (|z| <= 15: abs error <= 15 * u each).
+  np.testing.assert_allclose(got, want, atol=2 * 15 * U[jnp.dtype(F16)])
+  assert got.dtype == F32
+
+
+# ---------------------------------------------------------------------------
+# Higher-order primitives.
+
+
+def _close(a, b, tol):
+  assert float(jnp.max(jnp.abs(jnp.asarray(a, F32) - b))) <= tol
+
+
+def test_jit_inside_is_rewritten_and_keeps_its_name():
+  inner = jax.jit(lambda a, b: jnp.exp(a @ b))
+
+  def f(w, x):
+    return jnp.sum(inner(x, w))
+
+  jp = jax.make_jaxpr(jaxmp.autocast(f))(W, X)
+  (call,) = [e for e in eqns(jp, "jit") if e.params["name"] == "<lambda>"]
+  assert_all_half(call.params["jaxpr"])
+  (e,) = eqns(jp, "exp")
+  assert dtypes_of(e) == ("float32",)
+  assert_all_half(jax.make_jaxpr(jax.grad(jaxmp.autocast(f)))(W, X))
+
+
+def test_under_jit_only_casts_are_added():
+  def f(w, x):
+    return jnp.sum(jnp.tanh(x @ w) @ w.T)
+
+  def ops(fn):
+    text = jax.jit(fn).lower(W, X).as_text()
+    names = [
+      n
+      for n in __import__("re").findall(r"(stablehlo\.\w+)", text)
+      if n != "stablehlo.convert"
+    ]
+    return sorted(names)
+
+  assert ops(jaxmp.autocast(f)) == ops(f)
+
+
+def test_scan_body_is_rewritten_and_carry_keeps_its_dtype():
+  def f(w, x):
+    def step(c, xi):
+      h = jnp.tanh(xi @ w)  # half
+      return c + h, h
+
+    c, ys = lax.scan(step, jnp.zeros(4), x)
+    return jnp.sum(c) + jnp.sum(ys)
+
+  g = jaxmp.autocast(f)
+  assert_all_half(jax.make_jaxpr(g)(W, X))
+  assert_all_half(jax.make_jaxpr(jax.grad(g))(W, X))
+  (scan,) = eqns(jax.make_jaxpr(g)(W, X), "scan")
+  assert [str(v.aval.dtype) for v in scan.outvars] == ["float32", "float16"]
+  _close(g(W, X), f(W, X), 2 * 8 * 4 * (3 + 3) * U[jnp.dtype(F16)] * 8)
+  _close(jax.grad(g)(W, X), jax.grad(f)(W, X), 0.1)
+
+
+def test_while_loop_body_is_rewritten():
+  def f(w, x):
+    def body(c):
+      i, h = c
+      return i + 1, jnp.tanh(h @ w @ w.T)
+
+    return lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+
+  g = jaxmp.autocast(f)
+  assert_all_half(jax.make_jaxpr(g)(W, X))
+  out = g(W, X)
+  assert out.dtype == F32  # the carry keeps its traced dtype
+  _close(out, f(W, X), 3 * 2 * (4 + 3) * U[jnp.dtype(F16)] * 20)
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_cond_and_switch_branches_are_rewritten(pred):
+  def f(w, x):
+    y = lax.cond(pred, lambda a: a @ w, lambda a: jnp.exp(a @ w), x)
+    z = lax.switch(jnp.int32(pred), [lambda a: a @ w, lambda a: a @ w + 1.0], x)
+    return jnp.sum(y) + jnp.sum(z)
+
+  g = jaxmp.autocast(f)
+  assert_all_half(jax.make_jaxpr(g)(W, X))
+  assert_all_half(jax.make_jaxpr(jax.grad(g))(W, X))
+  conds = eqns(jax.make_jaxpr(g)(W, X), "cond")
+  # Branches unify on the widest: exp is fp32, so the first cond is fp32;
+  # the switch's branches are both half.
+  assert [str(c.outvars[0].aval.dtype) for c in conds] == [
+    "float32",
+    "float16",
+  ]
+  ref = f(W, X)
+  _close(g(W, X), ref, 1e-2 * float(jnp.abs(ref)) + 1.0)
+
+
+def test_remat_body_is_rewritten():
+  def f(w, x):
+    h = jax.checkpoint(lambda a: jnp.tanh(a @ w))(x)
+    return jnp.sum(h @ w.T)
+
+  g = jaxmp.autocast(f)
+  jp = jax.make_jaxpr(jax.grad(g))(W, X)
+  assert eqns(jp, "remat2") or eqns(jp, "checkpoint")
+  assert_all_half(jp)
+  _close(jax.grad(g)(W, X), jax.grad(f)(W, X), 0.05)
+
+
+@jax.custom_vjp
+def _clip_cotangent(x):
+  return x
+
+
+_clip_cotangent.defvjp(
+  lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.01, 0.01),)
+)
+
+
+def test_custom_vjp_rule_still_applies():
+  def f(w, x):
+    return jnp.sum(_clip_cotangent(x @ w) * 5.0)
+
+  g = jaxmp.autocast(f)
+  got = jax.grad(g)(W, X)
+  want = jax.grad(f)(W, X)  # cotangents clipped to 0.01: dW = x^T 0.01
+  assert_within(got, want, matmul_tol(X.T, jnp.full((8, 4), 0.01)))
+  unclipped = X.T @ jnp.full((8, 4), 5.0)
+  assert float(jnp.max(jnp.abs(got - unclipped))) > 1.0
+  assert_all_half(jax.make_jaxpr(jax.grad(g))(W, X))
+
+
+@jax.custom_jvp
+def _double_slope(x):
+  return jnp.tanh(x)
+
+
+_double_slope.defjvp(lambda p, t: (_double_slope(p[0]), 2.0 * t[0]))
+
+
+def test_custom_jvp_rule_still_applies():
+  def f(w, x):
+    return jnp.sum(_double_slope(x @ w))
+
+  g = jaxmp.autocast(f)
+  got = jax.grad(g)(W, X)
+  # The rule says d tanh = 2 (not 1 - tanh^2): dW = x^T 2.
+  ones = jnp.full((8, 4), 2.0)
+  want = X.T @ ones
+  assert_within(got, want, matmul_tol(X.T, ones))
+  (e,) = eqns(jax.make_jaxpr(g)(W, X), "custom_jvp_call")
+  assert dtypes_of(e) == ("float16",)  # the primal runs on the half product
+  assert jax.nn.relu(X).dtype == jaxmp.autocast(jax.nn.relu)(X).dtype
+
+
+def _mesh():
+  return jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+
+
+def test_shard_map_with_psum_inside():
+  P = jax.sharding.PartitionSpec
+  mesh = _mesh()
+
+  def f(w, x):
+    def body(w, xs):
+      return lax.psum(jnp.sum(jnp.tanh(xs @ w), axis=0), "data")
+
+    return jax.shard_map(
+      body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+    )(w, x)
+
+  g = jaxmp.autocast(f)
+  jp = jax.make_jaxpr(g)(W, X)
+  (sm,) = eqns(jp, "shard_map")
+  assert sm.params["mesh"] == mesh
+  assert eqns(sm.params["jaxpr"], "psum") or eqns(
+    sm.params["jaxpr"], "psum_invariant"
+  )
+  assert_all_half(jp)
+  assert_all_half(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(g(w, X))))(W))
+  _close(g(W, X), f(W, X), 8 * 2 * 6 * U[jnp.dtype(F16)] * 8)
+
+
+def test_autocast_inside_shard_map():
+  P = jax.sharding.PartitionSpec
+  fwd = jaxmp.autocast(lambda w, x: jnp.mean(jnp.tanh(x @ w)))
+
+  def body(w, x):
+    return lax.pmean(fwd(w, x), "data")
+
+  f = jax.shard_map(
+    body, mesh=_mesh(), in_specs=(P(), P("data")), out_specs=P()
+  )
+  ref = jnp.mean(jnp.tanh(X @ W))
+  _close(f(W, X), ref, 0.01)
+  gr = jax.grad(f)(W, X)
+  assert gr.dtype == F32
+  _close(gr, jax.grad(lambda w: jnp.mean(jnp.tanh(X @ w)))(W), 0.01)
+
+
+def test_nested_autocast_keeps_its_dtype():
+  inner = jaxmp.autocast(lambda a, b: a @ b, jnp.bfloat16)
+
+  def f(w, x):
+    return inner(x, w) + x @ w
+
+  jp = jax.make_jaxpr(jaxmp.autocast(f))(W, X)
+  assert sorted(products(jp)) == [
+    ("bfloat16", "bfloat16"),
+    ("float16", "float16"),
+  ]
+
+
+def test_no_autocast_region_runs_in_fp32():
+  def f(w, x):
+    kept = jaxmp.no_autocast(lambda a, b: jnp.tanh(a @ b))(x, w)
+    return kept + x @ w
+
+  jp = jax.make_jaxpr(jaxmp.autocast(f))(W, X)
+  assert sorted(products(jp)) == [
+    ("float16", "float16"),
+    ("float32", "float32"),
+  ]
+  (tanh,) = eqns(jp, "tanh")
+  assert dtypes_of(tanh) == ("float32",)
+  # Half inputs are cast to fp32 outside autocast too.
+  y = jaxmp.no_autocast(lambda a: a * 2)(X.astype(F16))
+  assert y.dtype == F32
+
+
+def test_composes_with_vmap_and_grad():
+  g = jaxmp.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)))
+  per_example = jax.vmap(jax.grad(g), in_axes=(None, 0))(W, X)
+  assert per_example.shape == (8, 3, 4) and per_example.dtype == F32
+  np.testing.assert_allclose(
+    per_example.sum(0), jax.grad(g)(W, X), atol=8 * 4 * U[jnp.dtype(F16)]
+  )
+
+
+def test_closure_over_differentiated_values():
+  def loss(w):
+    return jaxmp.autocast(lambda x: jnp.sum(x @ w))(X)
+
+  ones = jnp.ones((8, 4))
+  assert_within(jax.grad(loss)(W), X.T @ ones, matmul_tol(X.T, ones))
+
+
+def test_eager_calls_trace_once_per_signature():
+  count = []
+
+  def f(w, x, *, scale):
+    count.append(1)
+    return jnp.sum(x @ w) * scale
+
+  g = jaxmp.autocast(f)
+  a = g(W, X, scale=2.0)
+  b = g(W, X + 1, scale=2.0)
+  assert len(count) == 1
+  assert float(a) != float(b)
+  g(W, X[:4], scale=2.0)  # new shape
+  assert len(count) == 2
+  g(W, X, scale=3.0)  # new static value
+  assert len(count) == 3
+
+
+def test_non_array_leaves_and_outputs_pass_through():
+  def f(tree, x, *, mode, names):
+    assert mode == "train" and names == ["a"]
+    return {"y": x @ tree["w"], "act": tree["act"], "n": 3}
+
+  out = jaxmp.autocast(f)(
+    {"w": W, "act": jax.nn.relu}, X, mode="train", names=["a"]
+  )
+  assert out["act"] is jax.nn.relu and out["n"] == 3
+  assert out["y"].dtype == F16
+
+
+# ---------------------------------------------------------------------------
+# Frameworks: Flax linen, Flax NNX, Equinox; jaxmp.nn.BatchNorm's backward.
+
+
+def test_flax_linen_batchnorm_statistics_update():
+  nn = pytest.importorskip("flax.linen")
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+      x = nn.Dense(4)(x)
+      x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+      return nn.Dense(2)(nn.relu(x))
+
+  net = Net()
+  v = net.init(jax.random.key(0), X, train=False)
+  f = jaxmp.autocast(net.apply)
+  y, upd = f(v, X, train=True, mutable=["batch_stats"])
+  y32, upd32 = net.apply(v, X, train=True, mutable=["batch_stats"])
+  assert y.dtype == F32  # half product + fp32 bias
+  for a, b, old in zip(
+    jax.tree.leaves(upd),
+    jax.tree.leaves(upd32),
+    jax.tree.leaves(v["batch_stats"]),
+  ):
+    assert a.dtype == F32
+    assert float(jnp.max(jnp.abs(b - old))) > 0.1  # the statistics moved...
+    _close(a, b, 0.01 * float(jnp.max(jnp.abs(b))) + 1e-3)  # ...as in fp32
+
+  def loss(params):
+    out, _ = f({**v, "params": params}, X, train=True, mutable=["batch_stats"])
+    return jnp.mean(out**2)
+
+  grads = jax.grad(loss)(v["params"])
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(F32)}
+  assert_all_half(jax.make_jaxpr(jax.grad(loss))(v["params"]))
+
+
+def test_flax_nnx_split_merge_keeps_batchnorm_updates():
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Sequential(
+    nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+    nnx.BatchNorm(4, momentum=0.5, rngs=nnx.Rngs(0)),
+  )
+  graphdef, state = nnx.split(model)
+  old = [np.array(a) for a in jax.tree.leaves(state)]
+
+  def forward(state, x):
+    m = nnx.merge(graphdef, state)
+    y = m(x)
+    return y, nnx.state(m)  # the new state carries the BatchNorm updates
+
+  y, new_state = jaxmp.autocast(forward)(state, X)
+  # An eager nnx.merge shares the state's variables: run fp32 on a copy.
+  y32, new_state32 = forward(jax.tree.map(jnp.array, state), X)
+  assert y.dtype == F32
+  means = [
+    (a, b, old)
+    for a, b, old in zip(
+      jax.tree.leaves(new_state),
+      jax.tree.leaves(new_state32),
+      jax.tree.leaves(state),
+    )
+  ]
+  moved = 0
+  for a, b, old in means:
+    assert a.dtype == b.dtype
+    _close(a, b, 0.01 * float(jnp.max(jnp.abs(b))) + 1e-3)
+    moved += float(jnp.max(jnp.abs(b - old))) > 0.1
+  assert moved == 2  # mean and var
+  assert_all_half(jax.make_jaxpr(jaxmp.autocast(forward))(state, X))
+
+
+def test_equinox_mlp_without_edits():
+  eqx = pytest.importorskip("equinox")
+  mlp = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(1))
+  fwd = jaxmp.autocast(lambda m, x: jax.vmap(m)(x))
+  y = fwd(mlp, X)
+  ref = jax.vmap(mlp)(X)
+  _close(y, ref, 0.02 * float(jnp.max(jnp.abs(ref))) + 0.01)
+
+  grads = eqx.filter_grad(lambda m: jnp.sum(fwd(m, X)))(mlp)
+  ref_g = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(X)))(mlp)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_g)):
+    assert a.dtype == F32
+    _close(a, b, 0.02 * float(jnp.max(jnp.abs(b))) + 0.01)
+  params, static = eqx.partition(mlp, eqx.is_array)
+  loss = lambda p: jnp.sum(fwd(eqx.combine(p, static), X))  # noqa: E731
+  assert_all_half(jax.make_jaxpr(jax.grad(loss))(params))
+
+
+def _residuals(f, *args):
+  _, vjp = jax.vjp(f, *args)
+  return [(tuple(r.shape), str(r.dtype)) for r in jax.tree.leaves(vjp)]
+
+
+def test_jaxmp_batchnorm_keeps_its_half_backward():
+  nn = pytest.importorskip("flax.linen")
+  import jaxmp.nn as jnn  # pylint: disable=g-import-not-at-top
+
+  def net(norm):
+    class Net(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        x = nn.Conv(4, (3, 3), use_bias=False)(x)
+        return norm()(x)
+
+    return Net()
+
+  x = jnp.linspace(-1, 1, 2 * 4 * 4 * 3).reshape(2, 4, 4, 3)
+  act = (2, 4, 4, 4)
+  fused = net(functools.partial(jnn.BatchNorm, use_running_average=False))
+  v = fused.init(jax.random.key(0), x)
+  f = jaxmp.autocast(
+    lambda p: fused.apply({**v, "params": p}, x, mutable=["batch_stats"])[0]
+  )
+  res = _residuals(f, v["params"])
+  # BatchNorm's custom VJP saves its input, the conv's half output.
+  assert (act, "float16") in res
+  assert (act, "float32") not in res, res
+  # Flax's BatchNorm, under the same rules, saves fp32 activations: the
+  # check above can tell them apart.
+  plain = net(functools.partial(nn.BatchNorm, use_running_average=False))
+  vp = plain.init(jax.random.key(0), x)
+  fp = jaxmp.autocast(
+    lambda p: plain.apply({**vp, "params": p}, x, mutable=["batch_stats"])[0]
+  )
+  assert (act, "float32") in _residuals(fp, vp["params"])
+  # And the gradients still agree with fp32.
+  g = jax.grad(lambda p: jnp.sum(f(p) ** 2))(v["params"])
+  g32 = jax.grad(
+    lambda p: jnp.sum(
+      fused.apply({**v, "params": p}, x, mutable=["batch_stats"])[0] ** 2
+    )
+  )(v["params"])
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g32)):
+    assert a.dtype == F32
+    _close(a, b, 0.02 * float(jnp.max(jnp.abs(b))) + 0.02)
+
+
+# ---------------------------------------------------------------------------
+# The debug report.
+
+
+def _attention(wqkv, x):
+  qkv = x @ wqkv
+  q, k, v = jnp.split(qkv, 3, axis=-1)
+  s = q @ k.T / 2.0  # with wqkv x60, q and k fit fp16 but these products do not
+  return jax.nn.softmax(s, axis=-1) @ v
+
+
+_SCORES_LINE = _attention.__code__.co_firstlineno + 3
+
+
+def _overflowing():
+  w = jax.random.normal(jax.random.key(0), (4, 12)) * 60.0
+  x = jax.random.normal(jax.random.key(1), (6, 4)) * 40.0
+  return w, x
+
+
+def test_debug_reports_the_first_overflow_under_jit(caplog):
+  w, x = _overflowing()
+  assert np.isfinite(np.asarray(_attention(w, x))).all()  # fine in fp32
+  qkv = np.asarray(x @ w)
+  assert np.abs(qkv).max() < 65504  # the projection fits fp16...
+  q, k = qkv[:, :4], qkv[:, 4:8]
+  assert np.abs(q @ k.T).max() > 65504  # ...the attention scores do not
+  reports = []
+  f = jax.jit(jaxmp.autocast(_attention, debug=reports.append))
+  with caplog.at_level(logging.WARNING, logger="jaxmp"):
+    out = jax.block_until_ready(f(w, x))
+  assert not np.isfinite(np.asarray(out)).all()
+  assert len(reports) == 1
+  rep = reports[0]
+  assert isinstance(rep, jaxmp.AutocastReport)
+  assert rep.primitive == "dot_general"
+  assert rep.source.endswith(f"test_autocast.py:{_SCORES_LINE} (_attention)")
+  assert rep.dtype == "float16"
+  assert str(rep) in caplog.text
+
+
+def test_debug_names_the_flax_module():
+  nn = pytest.importorskip("flax.linen")
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(12, name="qkv")(x * 400.0)
+      return jnp.tanh(h)
+
+  w, x = _overflowing()
+  block = Block()
+  v = block.init(jax.random.key(0), x)
+  v = jax.tree.map(lambda a: a * 60.0, v)
+  reports = []
+  jaxmp.autocast(block.apply, debug=reports.append)(v, x)
+  (rep,) = reports
+  assert rep.primitive == "dot_general"
+  assert "qkv" in rep.name_stack, rep
+
+
+def test_debug_is_silent_when_finite_and_free_when_off():
+  reports = []
+  f = jaxmp.autocast(_attention, debug=reports.append)
+  w, x = _overflowing()
+  out = f(w / 60.0, x / 40.0)  # no overflow
+  assert np.isfinite(np.asarray(out)).all()
+  assert reports == []
+  off = jax.make_jaxpr(jaxmp.autocast(_attention))(*_overflowing())
+  names = {e.primitive.name for e in eqns(off)}
+  assert "debug_callback" not in names and "is_finite" not in names
+  on = jax.make_jaxpr(jaxmp.autocast(_attention, debug=True))(*_overflowing())
+  assert len(eqns(on, "debug_callback")) == 1
+
+
+# ---------------------------------------------------------------------------
+# The private interpreter, one test per primitive family: evaluating a
+# jaxpr through `_jaxpr_interp` with no rules gives the original values.
+
+
+def _identity_eval(jaxpr, args):
+  def handle(eqn, invals, inweak):
+    k = ji.kind(eqn)
+    body = lambda j, a: _identity_eval(j, a)  # noqa: E731
+    if k == "jit":
+      outs = ji.run_jit(eqn, invals, body)
+    elif k == "call":
+      outs = ji.run_call(eqn, invals, body)
+    elif k == "remat":
+      outs = ji.run_remat(eqn, invals, body)
+    elif k == "cond":
+      outs = ji.run_cond(eqn, invals, body, lambda ds: ds[0])
+    elif k == "scan":
+      outs = ji.run_scan(eqn, invals, body)
+    elif k == "while":
+      outs = ji.run_while(eqn, invals, body)
+    elif k == "shard_map":
+      outs = ji.run_shard_map(eqn, invals, body)
+    elif k == "custom_jvp":
+      outs = ji.run_custom_jvp(eqn, invals, body, list)
+    elif k == "custom_vjp":
+      outs = ji.run_custom_vjp(eqn, invals, body, list)
+    else:
+      outs = ji.bind(eqn, invals)
+    return outs, [False] * len(outs)
+
+  return ji.evaluate(jaxpr, args, handle)[0]
+
+
+_P = jax.sharding.PartitionSpec
+_FAMILIES = {
+  "jit": lambda x: jax.jit(jnp.sin)(x),
+  "remat": lambda x: jax.checkpoint(jnp.sin)(x),
+  "cond": lambda x: lax.cond(x[0] > 0, jnp.sin, jnp.cos, x),
+  "scan": lambda x: lax.scan(lambda c, a: (c + a, c * a), 0.0, x)[1],
+  "while": lambda x: lax.while_loop(
+    lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (0, x)
+  )[1],
+  "shard_map": lambda x: jax.shard_map(
+    lambda a: lax.psum(a, "data"),
+    mesh=_mesh(),
+    in_specs=_P("data"),
+    out_specs=_P(),
+  )(x),
+  "custom_jvp": jax.nn.relu,
+  "custom_vjp": lambda x: _clip_cotangent(x) * 3,
+}
+
+
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
+def test_interpreter_family(family):
+  fn = _FAMILIES[family]
+  x = jnp.linspace(-1.0, 2.0, 8)
+  jp = jax.make_jaxpr(fn)(x)
+  kinds = {ji.kind(e) for e in jp.eqns}
+  assert family in kinds, kinds
+  np.testing.assert_allclose(_identity_eval(jp, [x])[0], fn(x), rtol=1e-6)
+  # Re-emitted bodies differentiate as the originals do.
+  if family != "while":
+    grad = jax.grad(lambda x: jnp.sum(_identity_eval(jp, [x])[0] ** 2))(x)
+    np.testing.assert_allclose(
+      grad, jax.grad(lambda x: jnp.sum(fn(x) ** 2))(x), rtol=1e-6
+    )
+
+
+def test_interpreter_describe_and_trace():
+  jp = ji.trace(lambda a: [jnp.sin(a)], [ji.typeof(X)])
+  (e,) = jp.eqns
+  d = ji.describe(e)
+  assert d.primitive == "sin" and "test_autocast.py" in d.source
+  assert ji.kind(e) is None and ji.call_name(e) == ""
