@@ -913,3 +913,19 @@ def test_interpreter_describe_and_trace():
   d = ji.describe(e)
   assert d.primitive == "sin" and "test_autocast.py" in d.source
   assert ji.kind(e) is None and ji.call_name(e) == ""
+
+
+def _two_overflows(w, x):
+  a = x @ w  # first
+  b = (x * 2.0) @ w  # second
+  return a + b
+
+
+def test_debug_reports_the_first_of_two_overflows():
+  reports = []
+  w = jnp.full((4, 4), 300.0)
+  x = jnp.full((2, 4), 100.0)  # 4 * 3e4 = 1.2e5 > 65504, both products
+  jaxmp.autocast(_two_overflows, debug=reports.append)(w, x)
+  (rep,) = reports
+  line = _two_overflows.__code__.co_firstlineno + 1
+  assert rep.source.endswith(f":{line} (_two_overflows)"), rep

@@ -269,7 +269,7 @@ def run_cond(eqn: Eqn, args, body: Body, unify: Callable) -> list:
 def run_scan(eqn: Eqn, args, body: Body) -> list:
   """Re-emits ``lax.scan``; carries keep their traced dtypes."""
   p = eqn.params
-  nc, nk = p["num_consts"], p["num_carry"]
+  nc, nk = _scan_counts(p, len(args))
   consts, init, xs = args[:nc], list(args[nc : nc + nk]), list(args[nc + nk :])
   carry_dtypes = [a.dtype for a in in_avals(eqn)[nc : nc + nk]]
   inner = p["jaxpr"]
@@ -291,6 +291,14 @@ def run_scan(eqn: Eqn, args, body: Body) -> list:
     **extra,
   )
   return [*carry, *ys]
+
+
+def _scan_counts(p: dict, n: int) -> tuple[int, int]:
+  """(num_consts, num_carry) of a scan: params on jax 0.10, ``ft_in`` on 0.11."""
+  if "num_consts" in p:
+    return p["num_consts"], p["num_carry"]
+  consts, carry, _ = p["ft_in"].update(list(range(n))).unpack()
+  return len(list(consts)), len(list(carry))
 
 
 def run_while(eqn: Eqn, args, body: Body) -> list:
@@ -388,10 +396,9 @@ def run_custom_jvp(
     ]
     return [*out_p, *out_t]
 
+  rest = {k: v for k, v in orig.items() if k != "subfuns"}
   out = eqn.primitive.bind(
-    *args,
-    subfuns=(_wrap(primal, fun0), _wrap(jvp, jvp0)),
-    symbolic_zeros=p["symbolic_zeros"],
+    *args, subfuns=(_wrap(primal, fun0), _wrap(jvp, jvp0)), **rest
   )
   return list(out)
 
@@ -453,6 +460,9 @@ def run_custom_vjp(
 
   def bwd(*a):
     cts = bwd0.call_wrapped(*a)
+    logs = None
+    if isinstance(cts, tuple) and len(cts) == 2 and isinstance(cts[0], list):
+      cts, logs = cts  # jax >= 0.11: (cotangents, logs).
     out = []
     for ct, dt, aval in zip(cts, in_dtypes, in_tangent_avals):
       if isinstance(ct, _Zero):
@@ -461,7 +471,7 @@ def run_custom_vjp(
         out.append(_SymbolicZero(aval))
       else:
         out.append(_cast(ct, dt))
-    return out
+    return out if logs is None else (out, logs)
 
   rest = {k: v for k, v in orig.items() if k != "subfuns"}
   out = eqn.primitive.bind(
