@@ -33,7 +33,9 @@ Figures, one line each (``name: value``):
   (cached rewrite) and the hand-cast model's first eager call.
 
 Environment: ``BENCH_FILTERS`` (16), ``BENCH_BATCH`` (32), ``BENCH_REPS``
-(10) for the compiled figures.
+(10) for the compiled figures; ``BENCH_CPU_CONVS=0`` builds both models
+with ``cpu_convs=False`` (XLA's own convolutions and max-pool gradient
+instead of ``jaxmp.nn``'s per-shape CPU lowerings, the default).
 """
 
 import os
@@ -57,6 +59,7 @@ import step_overhead  # pylint: disable=g-import-not-at-top,wrong-import-positio
 FILTERS = int(os.environ.get("BENCH_FILTERS", "16"))
 BATCH = int(os.environ.get("BENCH_BATCH", "32"))
 REPS = int(os.environ.get("BENCH_REPS", "10"))
+CPU_CONVS = os.environ.get("BENCH_CPU_CONVS", "1") == "1"
 F16, F32 = jnp.float16, jnp.float32
 
 
@@ -77,9 +80,10 @@ class CastInputs:
 
 
 def variants(filters: int) -> dict:
+  net = lambda **kw: resnet18(num_filters=filters, cpu_convs=CPU_CONVS, **kw)
   return {
-    "autocast": Autocast(resnet18(num_filters=filters)),
-    "hand-cast": CastInputs(resnet18(num_filters=filters, dtype=F16)),
+    "autocast": Autocast(net()),
+    "hand-cast": CastInputs(net(dtype=F16)),
   }
 
 
@@ -114,7 +118,7 @@ def residual_bytes() -> dict:
   out = {}
   models = variants(64)
   models["hand-cast O2"] = CastInputs(
-    resnet18(dtype=F16, param_dtype=F16, norm_dtype=F32)
+    resnet18(dtype=F16, param_dtype=F16, norm_dtype=F32, cpu_convs=CPU_CONVS)
   )
   for name, model in models.items():
     act, _ = activation_memory.step_residual_bytes(model)
@@ -125,8 +129,8 @@ def residual_bytes() -> dict:
 def main() -> None:
   print(
     f"jax {jax.__version__}, {os.cpu_count()} cpus, {cpu_name()}; "
-    f"ResNet18 CIFAR; compiled figures at {FILTERS} filters, batch {BATCH}, "
-    f"{REPS} interleaved reps"
+    f"ResNet18 CIFAR (cpu_convs={CPU_CONVS}); compiled figures at {FILTERS} "
+    f"filters, batch {BATCH}, {REPS} interleaved reps"
   )
   res = residual_bytes()
   print(
@@ -206,9 +210,8 @@ def main() -> None:
     jax.make_jaxpr(fn)(variables, images)
     return time.perf_counter() - t
 
-  plain = resnet18(num_filters=FILTERS)
-  plain_s = trace(plain)
-  auto_s = trace(Autocast(resnet18(num_filters=FILTERS)))
+  plain_s = trace(resnet18(num_filters=FILTERS, cpu_convs=CPU_CONVS))
+  auto_s = trace(variants(FILTERS)["autocast"])
   print(
     f"trace_time: autocast {auto_s:.2f} s (trace + rewrite), fp32 model "
     f"{plain_s:.2f} s, ratio {auto_s / plain_s:.2f}"

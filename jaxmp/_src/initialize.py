@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxmp._src import autocast as autocast_lib
 from jaxmp._src import mixed_precision as mp
 from jaxmp._src import policy as policy_lib
 
@@ -60,12 +61,9 @@ def _patch_forward(
   Integer, bool and non-array arguments (``train=True``) pass unchanged.
   """
   policy = preset.policy
+  fun = apply_fn
   if preset.autocast is not None:
-    from jaxmp._src.autocast import autocast  # pylint: disable=g-import-not-at-top
-
-    fun = autocast(apply_fn, preset.autocast)
-  else:
-    fun = apply_fn
+    fun = autocast_lib.autocast(apply_fn, preset.autocast)
 
   @functools.wraps(apply_fn)
   def forward(variables, *args, **kwargs):
