@@ -929,3 +929,51 @@ def test_debug_reports_the_first_of_two_overflows():
   (rep,) = reports
   line = _two_overflows.__code__.co_firstlineno + 1
   assert rep.source.endswith(f":{line} (_two_overflows)"), rep
+
+
+_NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def _conv(x, k):
+  return lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=_NHWC)
+
+
+@jax.custom_vjp
+def _conv_saving_inputs(x, k):
+  return _conv(x, k)
+
+
+def _conv_fwd(x, k):
+  return _conv(x, k), (x, k)
+
+
+def _conv_bwd(res, dy):
+  # As jaxmp.nn's conv: the rule differentiates the plain conv itself, whose
+  # jax.vjp insists that dy has the dtype the conv of these residuals has.
+  x, k = res
+  _, vjp = jax.vjp(_conv, x, k)
+  return vjp(dy)
+
+
+_conv_saving_inputs.defvjp(_conv_fwd, _conv_bwd)
+
+
+def test_custom_vjp_of_a_product_saves_half_inputs_and_runs_its_rule_in_half():
+  x = jnp.linspace(-1.0, 1.0, 2 * 4 * 4 * 3).reshape(2, 4, 4, 3)
+  k = jnp.linspace(-0.5, 0.5, 3 * 3 * 3 * 2).reshape(3, 3, 3, 2)
+
+  def f(k, x):
+    return jnp.sum(jnp.tanh(_conv_saving_inputs(x, k)))
+
+  g = jaxmp.autocast(f)
+  # The inputs only feed the conv: cast at the boundary, saved in half.
+  res = _residuals(lambda k: g(k, x), k)
+  assert (x.shape, "float16") in res and (x.shape, "float32") not in res, res
+  # The bwd rule's convolutions run in half too.
+  jp = jax.make_jaxpr(jax.grad(g))(k, x)
+  assert len(products(jp)) >= 3  # forward, dx, dk (and the rule's primal)
+  assert_all_half(jp)
+  got, want = jax.grad(g)(k, x), jax.grad(f)(k, x)
+  assert got.dtype == F32
+  # dK sums 2*4*4 = 32 products of |x| <= 1 and |dy| <= 1, rounded in half.
+  assert_within(got, want, (32 + 3 + 9 * 3 + 3) * U[jnp.dtype(F16)] * 32)

@@ -420,13 +420,29 @@ def bind_params_of(eqn: Eqn) -> dict:
 
 
 def run_custom_vjp(
-  eqn: Eqn, args, body: Body, out_dtypes_of: Callable[[list], list]
+  eqn: Eqn,
+  args,
+  body: Body,
+  out_dtypes_of: Callable[[list], list],
+  ct_dtypes: Optional[Sequence[Any]] = None,
 ) -> list:
-  """Re-binds a ``custom_vjp`` whose primal and fwd rule run through ``body``.
+  """Re-binds a ``custom_vjp`` whose primal and rules run through ``body``.
 
-  The user's bwd rule is kept as it is: it receives the residuals the fwd
-  rule now produces (e.g. half-precision activations) and the cotangents of
-  the outputs; its results are cast to the dtypes of the inputs.
+  The primal and the fwd rule (as traced) run through ``body``; the fwd rule
+  saves the residuals it now computes (e.g. half-precision activations). The
+  user's bwd rule still defines the derivative: it is called (as Python, so
+  its own checks see consistent types) on those residuals and on the output
+  cotangents cast to ``ct_dtypes`` (by default the traced output dtypes),
+  traced, and its operations run through ``body`` too (as ``torch``'s
+  ``custom_bwd`` runs a backward under the forward's autocast state). Its
+  results are cast to the dtypes of the inputs.
+
+  Args:
+    eqn: the ``custom_vjp_call`` equation.
+    args: its inputs.
+    body: the evaluator of a ``ClosedJaxpr``.
+    out_dtypes_of: maps the dtypes the primal produced to the dtypes to give.
+    ct_dtypes: the dtypes of the output cotangents the bwd rule expects.
   """
   p = eqn.params
   call_jaxpr = p["call_jaxpr"]
@@ -434,8 +450,10 @@ def run_custom_vjp(
   thunk = p["fwd_jaxpr_thunk"]
   orig = bind_params_of(eqn)
   fun0, fwd0, bwd0 = orig["subfuns"]
-  in_dtypes = [typeof(a).to_tangent_aval().dtype for a in args]
   in_tangent_avals = [typeof(a).to_tangent_aval() for a in args]
+  nout = len(call_jaxpr.out_avals)
+  if ct_dtypes is None:
+    ct_dtypes = [a.to_tangent_aval().dtype for a in call_jaxpr.out_avals]
   box = {}
 
   def primal(*a):
@@ -453,25 +471,51 @@ def run_custom_vjp(
     primals = vals[nconsts:]
     jaxpr, consts = thunk.call_wrapped(*nonzeros[nconsts:])
     outs = body(ClosedJaxpr(jaxpr, consts), primals)
-    nres = len(outs) - len(call_jaxpr.out_avals)
+    nres = len(outs) - nout
     res, prim_out = outs[:nres], outs[nres:]
     target = box.get("dtypes") or out_dtypes_of([o.dtype for o in prim_out])
     return [*res, *_casts(prim_out, target)]
 
-  def bwd(*a):
-    cts = bwd0.call_wrapped(*a)
-    logs = None
-    if isinstance(cts, tuple) and len(cts) == 2 and isinstance(cts[0], list):
-      cts, logs = cts  # jax >= 0.11: (cotangents, logs).
+  def call_bwd(*a):
+    """The user's rule: ``(cotangents, logs, pair)``; logs from jax 0.11."""
+    out = bwd0.call_wrapped(*a)
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], list):
+      return list(out[0]), out[1], True
+    return list(out), None, False
+
+  def finish(cts, logs, pair):
     out = []
-    for ct, dt, aval in zip(cts, in_dtypes, in_tangent_avals):
+    for ct, aval in zip(cts, in_tangent_avals):
       if isinstance(ct, _Zero):
         out.append(_Zero(aval))
       elif isinstance(ct, _SymbolicZero):
         out.append(_SymbolicZero(aval))
       else:
-        out.append(_cast(ct, dt))
-    return out if logs is None else (out, logs)
+        out.append(_cast(ct, aval.dtype))
+    return (out, logs) if pair else out
+
+  def bwd(*a):
+    res, cts = list(a[: len(a) - nout]), list(a[len(a) - nout :])
+    if any(isinstance(c, (_Zero, _SymbolicZero)) for c in cts):
+      return finish(*call_bwd(*res, *cts))
+    cts = _casts(cts, ct_dtypes)
+    meta = {}
+
+    def traced(*xs):
+      out, logs, pair = call_bwd(*xs)
+      meta.update(logs=logs, pair=pair)
+      meta["zero"] = [isinstance(o, (_Zero, _SymbolicZero)) for o in out]
+      return [o for o, z in zip(out, meta["zero"]) if not z]
+
+    jaxpr = trace(traced, [typeof(x) for x in (*res, *cts)])
+    if meta["logs"] is not None:  # Logged rules run as written.
+      return finish(*call_bwd(*res, *cts))
+    it = iter(body(jaxpr, [*res, *cts]))
+    cts_in = [
+      _Zero(t) if z else next(it)
+      for z, t in zip(meta["zero"], in_tangent_avals)
+    ]
+    return finish(cts_in, None, meta["pair"])
 
   rest = {k: v for k, v in orig.items() if k != "subfuns"}
   out = eqn.primitive.bind(
@@ -480,6 +524,32 @@ def run_custom_vjp(
     **rest,
   )
   return list(out)
+
+
+def inputs_only_multiplied(jaxpr, names: frozenset) -> list[bool]:
+  """Per input of ``jaxpr``: is every use an operand of a primitive in ``names``?
+
+  Uses inside ``jit`` bodies are followed; an input that is an output, or is
+  used by anything else, is not.
+  """
+  j = closed(jaxpr).jaxpr
+  ok = {v: True for v in j.invars}
+  for eqn in j.eqns:
+    if eqn.primitive.name in names:
+      continue
+    if kind(eqn) == "jit":
+      inner = inputs_only_multiplied(eqn.params["jaxpr"], names)
+      for v, good in zip(eqn.invars, inner):
+        if not isinstance(v, _core.Literal) and v in ok and not good:
+          ok[v] = False
+      continue
+    for v in eqn.invars:
+      if not isinstance(v, _core.Literal) and v in ok:
+        ok[v] = False
+  for v in j.outvars:
+    if not isinstance(v, _core.Literal) and v in ok:
+      ok[v] = False
+  return [ok[v] for v in j.invars]
 
 
 # --------------------------------------------------------------------------

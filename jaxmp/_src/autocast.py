@@ -219,9 +219,12 @@ class _Sink:
 class _Interpreter:
   """Evaluates jaxprs with the autocast rules, in dtype ``dtype``."""
 
-  def __init__(self, dtype):
+  def __init__(self, dtype, natural: bool = False):
     self.dtype = jnp.dtype(dtype)
     self.max = float(jnp.finfo(self.dtype).max)
+    # natural: no lists, every op in the widest dtype of its inputs (what
+    # plain JAX computes from those dtypes).
+    self.natural = natural
 
   # A literal is weak (a Python scalar: never widens an op) unless it does not
   # fit in the autocast dtype (e.g. finfo(float32).min as a mask value).
@@ -285,13 +288,39 @@ class _Interpreter:
     elif k == "custom_jvp":
       outs = ji.run_custom_jvp(eqn, invals, self._body(inweak), list)
     elif k == "custom_vjp":
-      outs = ji.run_custom_vjp(eqn, invals, self._body(inweak), list)
+      outs = self._custom_vjp(eqn, invals, inweak)
     else:
       outs = _as_traced(eqn, invals)
     if sink is not None and not inlined:
       _check(sink, eqn, invals, outs)
     weak = all(inweak)
     return outs, [weak] * len(outs)
+
+  def _custom_vjp(self, eqn, invals, inweak):
+    call = ji.params(eqn)["call_jaxpr"]
+    avals = ji.in_avals(eqn)
+    args = list(invals)
+    if not self.natural:
+      # Inputs that only feed matrix products are cast at the boundary, so
+      # the rule saves them in half precision, as the product itself would.
+      only = ji.inputs_only_multiplied(call, LOWER_PRECISION)
+      for i, (x, a, o) in enumerate(zip(args, avals, only)):
+        if o and _castable(a.dtype):
+          args[i] = _cast(x, self.dtype)
+    ct_dtypes = None
+    if [jnp.dtype(x.dtype) for x in args] != [
+      jnp.dtype(a.dtype) for a in avals
+    ]:
+      # The cotangents the user's bwd rule expects: the output dtypes plain
+      # JAX computes from the dtypes the inputs now have.
+      natural = _Interpreter(self.dtype, natural=True)
+      ct_dtypes = [
+        a.dtype
+        for a in ji.trace(
+          lambda *a: natural.run(call, a), [ji.typeof(x) for x in args]
+        ).out_avals
+      ]
+    return ji.run_custom_vjp(eqn, args, self._body(inweak), list, ct_dtypes)
 
   def _first_order(self, eqn, invals, inweak):
     avals = ji.in_avals(eqn)
@@ -304,17 +333,20 @@ class _Interpreter:
     if not idx or name in _INDEPENDENT:
       return ji.bind(eqn, invals)
     updates = {}
-    if name in LOWER_PRECISION:
+    if name in LOWER_PRECISION and not self.natural:
       target = self.dtype
-      pet = ji.params(eqn).get("preferred_element_type")
-      if pet is not None and _castable(pet):
-        if all(jnp.dtype(avals[i].dtype) == jnp.dtype(pet) for i in idx):
-          updates["preferred_element_type"] = target
-    elif name in FLOAT32:
+    elif name in FLOAT32 and not self.natural:
       target = _F32
     else:
       strong = [invals[i].dtype for i in idx if not inweak[i]]
       target = _widest(strong or [invals[i].dtype for i in idx])
+    if name in LOWER_PRECISION:
+      # The traced default (the input dtype) follows the new inputs; a
+      # preferred_element_type the user asked for is kept.
+      pet = ji.params(eqn).get("preferred_element_type")
+      if pet is not None and _castable(pet):
+        if all(jnp.dtype(avals[i].dtype) == jnp.dtype(pet) for i in idx):
+          updates["preferred_element_type"] = target
     args = list(invals)
     for i in idx:
       args[i] = _cast(args[i], target)
