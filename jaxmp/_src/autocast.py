@@ -51,16 +51,47 @@ Everywhere JAX code goes: ``jit`` bodies are rewritten and re-bound (same name
 and shardings); ``scan``, ``while_loop``, ``cond``/``switch``, ``checkpoint``
 and ``shard_map`` (same mesh, specs and axis names, collectives inside) are
 re-emitted through ``jax.lax``/``jax.shard_map`` with their bodies rewritten;
-loop carries keep their traced dtype (so a loop's type is fixed). For
-``custom_jvp``/``custom_vjp`` the primal and the forward rule are rewritten and
-the user's rule still defines the derivative: a bwd rule that clips the
-cotangent still clips it, and ``jaxmp.nn.BatchNorm`` still saves its input in
-half precision for its backward pass.
+loop carries keep their traced dtype (so a loop's type is fixed), ``cond``
+branches agree on the widest dtype of each output. For ``custom_jvp`` and
+``custom_vjp`` the user's rule still defines the derivative (a bwd rule that
+clips the cotangent still clips it): the primal, the JVP rule and the fwd rule
+are rewritten; the bwd rule is called on the residuals the fwd rule now saves
+and on cotangents in the dtype plain JAX would give its outputs, and its
+operations are rewritten too (as torch's ``custom_bwd``). A ``custom_vjp``
+whose float inputs only feed matrix products (``jaxmp.nn``'s convolution) gets
+them cast to ``dtype`` at its boundary, so it saves them in half;
+``jaxmp.nn.BatchNorm`` saves its (half) input for its backward pass. Other
+primitives with bodies (``reduce`` with a custom computation, ``scatter-add``
+and its kin), bitcasts and callbacks run at their traced dtypes.
 
 The backward pass: ``dot_general`` is bound with half inputs and a half
 ``preferred_element_type``, so its transposes (the backward products) are half
 x half too, as in torch; the casts of fp32 parameters transpose to casts back,
 so gradients with respect to fp32 inputs are fp32.
+
+Frameworks, with the model left as it is:
+
+* Flax linen: ``jaxmp.autocast(model.apply)(variables, x, train=True,
+  mutable=["batch_stats"])`` returns ``(out, updates)`` as ``apply`` does.
+* Flax NNX: split once, ``graphdef, state = nnx.split(model)``; autocast a
+  function of the state that merges, calls and returns the new state, so
+  BatchNorm's statistics are not dropped::
+
+    def forward(state, x):
+      m = nnx.merge(graphdef, state)
+      return m(x), nnx.state(m)
+
+    y, state = jaxmp.autocast(forward)(state, x)
+
+* Equinox: pass the module as an argument, ``jaxmp.autocast(lambda m, x:
+  m(x))(model, x)``; its non-array fields are static. (``autocast(model)``
+  also runs, with the model's arrays closed over.)
+
+Arguments: array leaves (``jax.Array``, numpy) are traced; every other leaf
+(Python scalars, strings, callables, ``mutable=[...]``) is static and keys
+the cache. A cast to the dtype a value already has when ``fun`` is traced
+(e.g. ``logits.astype(jnp.float32)`` in an fp32 model) leaves no trace in the
+jaxpr: to force a region to fp32, use :func:`no_autocast`.
 
 Regions: :func:`no_autocast` (Apex's ``amp.float_function``) runs its function
 in fp32 and is left alone by an enclosing ``autocast``; a nested ``autocast``
@@ -301,12 +332,15 @@ class _Interpreter:
     avals = ji.in_avals(eqn)
     args = list(invals)
     if not self.natural:
-      # Inputs that only feed matrix products are cast at the boundary, so
-      # the rule saves them in half precision, as the product itself would.
+      # When the float inputs only feed matrix products, they are cast at
+      # the boundary, so the rule saves them in half precision as the
+      # product itself would. All or none: a rule may insist (lax.conv does)
+      # that its operands share a dtype.
       only = ji.inputs_only_multiplied(call, LOWER_PRECISION)
-      for i, (x, a, o) in enumerate(zip(args, avals, only)):
-        if o and _castable(a.dtype):
-          args[i] = _cast(x, self.dtype)
+      floats = [i for i, a in enumerate(avals) if _castable(a.dtype)]
+      if floats and all(only[i] for i in floats):
+        for i in floats:
+          args[i] = _cast(args[i], self.dtype)
     ct_dtypes = None
     if [jnp.dtype(x.dtype) for x in args] != [
       jnp.dtype(a.dtype) for a in avals
