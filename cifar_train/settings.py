@@ -47,6 +47,11 @@ class Precision:
     calibrate: the initial scale is "auto": the loop calibrates it on the
       first batch (`with_initial_scale`); until then ``loss_scale`` starts
       at the floor.
+    autocast: the preset's `jaxmp.autocast` dtype (O1: float16): the model
+      is built in ``compute_dtype`` (fp32) and its apply runs under
+      ``jaxmp.autocast``; ``None`` for the hand-cast presets.
+    autocast_debug: autocast's ``debug=True`` (``config.diagnostics``):
+      report the first op whose half output overflowed.
   """
 
   name: str
@@ -58,6 +63,8 @@ class Precision:
   hysteresis: int
   master_weights: Any
   calibrate: bool = False
+  autocast: Any = None
+  autocast_debug: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +161,8 @@ def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
     hysteresis=int(config.loss_scale_hysteresis),
     master_weights=master_weights,
     calibrate=calibrate,
+    autocast=preset.autocast,
+    autocast_debug=preset.autocast is not None and bool(config.diagnostics),
   )
 
 

@@ -41,6 +41,23 @@ class TrainState:
   rng: jax.Array
 
 
+class AutocastModel:
+  """A Flax model whose ``apply`` runs under `jaxmp.autocast` (Apex O1).
+
+  ``init`` and every other attribute are the model's own.
+  """
+
+  def __init__(self, model: models.ResNet, dtype: Any, debug: bool = False):
+    self.model = model
+    self.apply = jaxmp.autocast(model.apply, dtype, debug=debug)
+
+  def __getattr__(self, name: str) -> Any:
+    """The wrapped model's attribute (``init``, ``dtype``, ...)."""
+    if name == "model":  # Not set yet (copy, pickle): no recursion.
+      raise AttributeError(name)
+    return getattr(self.model, name)
+
+
 def create_model(
   name: str,
   *,
@@ -49,8 +66,12 @@ def create_model(
   precision: Precision,
   axis_name: Optional[str] = None,
 ) -> models.ResNet:
-  """The ResNet ``name`` with the precision's dtypes."""
-  return models.get_model(
+  """The ResNet ``name`` with the precision's dtypes.
+
+  Under an autocast preset (O1) the model is the fp32 one, its ``apply``
+  wrapped by ``jaxmp.autocast(..., precision.autocast)`` (`AutocastModel`).
+  """
+  model = models.get_model(
     name,
     num_classes=num_classes,
     num_filters=num_filters,
@@ -58,6 +79,11 @@ def create_model(
     param_dtype=precision.param_dtype,
     norm_dtype=precision.norm_dtype,
     axis_name=axis_name,
+  )
+  if precision.autocast is None:
+    return model
+  return AutocastModel(
+    model, precision.autocast, debug=precision.autocast_debug
   )
 
 

@@ -55,7 +55,9 @@ def get_config() -> ml_collections.ConfigDict:
   # off the loss scale.
   config.max_nonfinite_loss_steps = 10
   # Keep jaxmp's per-leaf gradient report: a log step that saw skipped steps
-  # names the leaf with the most non-finite gradient elements.
+  # names the leaf with the most non-finite gradient elements. Under O1 also
+  # autocast's debug mode: a warning names the first op whose fp16 output
+  # overflowed in the forward pass.
   config.diagnostics = False
 
   # Data.

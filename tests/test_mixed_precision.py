@@ -747,7 +747,7 @@ class TestPolicies:
     "spec,param,compute,output",
     [
       ("O0", "float32", "float32", "float32"),
-      ("O1", "float32", "float16", "float32"),
+      ("O1", "float32", "float32", "float32"),  # + autocast(float16)
       ("O2", "float16", "float16", "float32"),
       ("O3", "float16", "float16", "float16"),
       ("bf16", "float32", "bfloat16", "float32"),

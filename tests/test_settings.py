@@ -64,7 +64,8 @@ def test_seed_config_is_the_apex_script():
   "policy,param,compute,norm,scale_type,masters",
   [
     ("O0", jnp.float32, jnp.float32, jnp.float32, None, False),
-    ("O1", jnp.float32, jnp.float16, jnp.float32, jmp.DynamicLossScale, False),
+    # O1: the fp32 model under jaxmp.autocast (precision.autocast).
+    ("O1", jnp.float32, jnp.float32, jnp.float32, jmp.DynamicLossScale, False),
     ("O2", jnp.float16, jnp.float16, jnp.float32, jmp.DynamicLossScale, True),
     ("O3", jnp.float16, jnp.float16, jnp.float16, None, False),
     ("bf16", jnp.float32, jnp.bfloat16, jnp.float32, None, False),
@@ -139,3 +140,22 @@ def test_unknown_master_weights_lists_the_valid_ones():
   config.master_weights = "fp64"
   with pytest.raises(ConfigError, match="unknown master_weights 'fp64'.*kahan"):
     settings.resolve(config)
+
+
+@pytest.mark.parametrize(
+  "policy,diagnostics,autocast,debug",
+  [
+    ("O1", False, jnp.float16, False),
+    ("O1", True, jnp.float16, True),
+    ("O2", True, None, False),
+    ("O0", False, None, False),
+  ],
+)
+def test_autocast_follows_the_preset_and_diagnostics(
+  policy, diagnostics, autocast, debug
+):
+  config = default.get_config()
+  config.policy = policy
+  config.diagnostics = diagnostics
+  p = settings.resolve(config).precision
+  assert p.autocast == autocast and p.autocast_debug == debug

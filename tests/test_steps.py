@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 import jaxmp
+from _products import primitive_names
+from _products import product_dtypes
 from cifar_train import settings
 from cifar_train import steps
 
@@ -106,3 +108,41 @@ def test_state_fingerprint_sees_every_part_of_the_state(make_config, data_dir):
   }
   for name, changed in changes.items():
     assert steps.state_fingerprint(changed) != ref, name
+
+
+@pytest.mark.parametrize("diagnostics", [False, True])
+def test_o1_step_runs_the_fp32_model_under_autocast(
+  diagnostics, make_config, data_dir
+):
+  # Apex O1: the model is built and kept in fp32; jaxmp.autocast runs its
+  # convolutions and matrix products in fp16, forward and backward.
+  s, model, optimizer, state = _setup(
+    make_config, data_dir, policy="O1", diagnostics=diagnostics
+  )
+  p = s.precision
+  assert jnp.dtype(p.autocast) == jnp.float16
+  assert model.dtype == jnp.float32 and p.compute_dtype == jnp.float32
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {
+    jnp.dtype(jnp.float32)
+  }
+  step = steps.make_train_step(model, optimizer, compute_dtype=p.compute_dtype)
+  images = jnp.zeros((4, 16, 16, 3), jnp.float32)
+  labels = jnp.zeros((4,), jnp.int32)
+  jaxpr = jax.make_jaxpr(step)(state, images, labels, steps.zero_metrics())
+  products = product_dtypes(jaxpr)
+  convs = [ins for prim, ins, _ in products if prim == "conv_general_dilated"]
+  dots = [ins for prim, ins, _ in products if prim == "dot_general"]
+  # 20 convolutions forward; their input and kernel gradients backward.
+  assert len(convs) >= 3 * 20 - 1, len(convs)
+  assert dots, products
+  assert all(ins == ("float16", "float16") for ins in convs + dots), products
+  # The eval step too.
+  eval_jaxpr = jax.make_jaxpr(
+    steps.make_eval_step(model, compute_dtype=p.compute_dtype)
+  )(state, images, labels, jnp.ones((4,), bool))
+  assert {ins for _, ins, _ in product_dtypes(eval_jaxpr)} == {
+    ("float16", "float16")
+  }
+  # --config.diagnostics=True turns on autocast's debug report: one host
+  # callback per call; off, the step has none.
+  assert ("debug_callback" in primitive_names(jaxpr)) == diagnostics

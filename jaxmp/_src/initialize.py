@@ -1,12 +1,16 @@
 """`initialize`: Apex's ``amp.initialize`` for optax, from a preset name.
 
 ``model, opt = amp.initialize(model, opt, opt_level="O2")`` casts the model
-and wraps the optimizer. In JAX the model is its params tree and the optimizer
-an optax transform, so `initialize` casts the params by the preset's policy
-(keeping normalisation layers fp32 where the preset says so) and wraps the
-optimizer in `mixed_precision` with the preset's loss scale and masters.
+and wraps the optimizer. In JAX the model is its params tree, its forward
+function and the optimizer an optax transform, so `initialize` casts the params
+by the preset's policy (keeping normalisation layers fp32 where the preset says
+so), wraps the optimizer in `mixed_precision` with the preset's loss scale and
+masters and, given the forward function, patches it as Apex patches
+``model.forward``: under `jaxmp.autocast` for O1, with its inputs cast to the
+compute dtype and its output to the output dtype.
 """
 
+import functools
 import re
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -14,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxmp._src import autocast as autocast_lib
 from jaxmp._src import mixed_precision as mp
 from jaxmp._src import policy as policy_lib
 
@@ -35,24 +40,76 @@ def _key_name(key) -> Union[str, int]:
   return str(key)
 
 
+def _is_mutable_call(kwargs: dict[str, Any]) -> bool:
+  """Flax linen's ``apply(..., mutable=...)`` returns ``(output, vars)``."""
+  return kwargs.get("mutable", False) is not False
+
+
+def _patch_forward(
+  apply_fn: Callable[..., Any], preset: policy_lib.Preset
+) -> Callable[..., Any]:
+  """``apply_fn`` as Apex's ``amp.initialize`` patches ``model.forward``.
+
+  ``apply_fn(variables, *inputs, **kwargs)`` takes the model's variables (or
+  params, or an Equinox module) first: they are left as they are. The
+  floating arrays among ``inputs`` and ``kwargs`` are cast to
+  ``preset.policy.compute_dtype`` and the floating arrays of the output to
+  ``preset.policy.output_dtype``; under a Flax ``mutable=`` call only the
+  output's first element is cast, so the updated variables (BatchNorm
+  statistics) keep their dtypes. With ``preset.autocast`` set (O1), the
+  function runs under ``jaxmp.autocast(apply_fn, preset.autocast)``.
+  Integer, bool and non-array arguments (``train=True``) pass unchanged.
+  """
+  policy = preset.policy
+  fun = apply_fn
+  if preset.autocast is not None:
+    fun = autocast_lib.autocast(apply_fn, preset.autocast)
+
+  @functools.wraps(apply_fn)
+  def forward(variables, *args, **kwargs):
+    args, kwargs = policy.cast_to_compute((args, kwargs))
+    out = fun(variables, *args, **kwargs)
+    if _is_mutable_call(kwargs) and isinstance(out, tuple) and len(out) == 2:
+      return policy.cast_to_output(out[0]), out[1]
+    return policy.cast_to_output(out)
+
+  return forward
+
+
 def initialize(
   params: optax.Params,
   optimizer: optax.GradientTransformation,
   opt_level: Union[str, policy_lib.Preset] = "O2",
   *,
+  apply_fn: Optional[Callable[..., Any]] = None,
   keep_fp32: Optional[Callable[[tuple[Union[str, int], ...]], bool]] = None,
   **overrides: Any,
-) -> tuple[optax.Params, optax.GradientTransformationExtraArgs]:
-  """Casts params and wraps an optimizer as an Apex opt level prescribes.
+) -> Union[
+  tuple[optax.Params, optax.GradientTransformationExtraArgs],
+  tuple[
+    Callable[..., Any], optax.Params, optax.GradientTransformationExtraArgs
+  ],
+]:
+  """Casts params, wraps an optimizer and patches a forward as Apex does.
 
   The params' floating leaves are cast to the preset's
   ``policy.param_dtype``; where the preset has ``keep_batchnorm_fp32``, the
   leaves that ``keep_fp32`` selects are cast to fp32 instead. The optimizer
   becomes ``mixed_precision(optimizer, loss_scale=preset.loss_scale,
-  master_weights=preset.master_weights, **overrides)``. The compute dtype is
-  the model's business in JAX: build the model with
-  ``jaxmp.get_policy(opt_level).compute_dtype`` (a Flax ``dtype=``) and cast
-  its inputs with ``policy.cast_to_compute``.
+  master_weights=preset.master_weights, **overrides)``.
+
+  Given ``apply_fn`` (a Flax ``model.apply``, an Equinox module's call, any
+  ``f(variables, *inputs, **kwargs)``), it is returned patched as Apex patches
+  ``model.forward`` (`_patch_forward`):
+
+  - ``"O1"`` (``preset.autocast``): under ``jaxmp.autocast(apply_fn,
+    float16)``. The model stays as it is built, in fp32; its matrix products
+    and convolutions run in fp16 and its sensitive ops in fp32.
+  - every other preset: its floating inputs cast to
+    ``policy.compute_dtype`` and its output to ``policy.output_dtype``
+    (Apex's O2/O3 input and output casts). The compute dtype is still the
+    model's business: build it with ``jaxmp.get_policy(opt_level)
+    .compute_dtype`` (a Flax ``dtype=``).
 
   Args:
     params: the model's params (in Flax, ``variables["params"]``; the
@@ -60,6 +117,7 @@ def initialize(
     optimizer: the optax optimizer to wrap.
     opt_level: ``"O0"``..``"O3"``, ``"bf16"``, a jmp policy string or a
       `jaxmp.Preset`.
+    apply_fn: the model's forward function, its variables or params first.
     keep_fp32: ``keep_fp32(path) -> bool`` on a leaf's path, a tuple of its
       keys (dict keys and attribute names as strings, sequence indices as
       ints), e.g. ``("BatchNorm_0", "scale")``. The default selects paths
@@ -71,9 +129,14 @@ def initialize(
       (``max_loss_scale``, ``hysteresis``, ``axis_name``).
 
   Returns:
-    ``(params, optimizer)``: the cast params and the wrapped optimizer.
+    ``(params, optimizer)``: the cast params and the wrapped optimizer;
+    with ``apply_fn``, ``(apply_fn, params, optimizer)`` with the patched
+    forward first.
 
-  >>> import jax.numpy as jnp, optax, jaxmp
+  Raises:
+    TypeError: ``apply_fn`` is given and not callable.
+
+  >>> import jax, jax.numpy as jnp, optax, jaxmp
   >>> params = {"Dense_0": {"kernel": jnp.ones((2, 2))},
   ...           "BatchNorm_0": {"scale": jnp.ones(2)}}
   >>> params, opt = jaxmp.initialize(params, optax.sgd(0.1), "O2")
@@ -81,7 +144,23 @@ def initialize(
   (dtype('float16'), dtype('float32'))
   >>> jaxmp.loss_scaler(opt.init(params)).loss_scale
   Array(32768., dtype=float32)
+
+  O1 keeps the model fp32 and returns its forward under autocast:
+
+  >>> def apply(params, x):
+  ...   return jax.nn.relu(x @ params["w"])
+  >>> apply, params, opt = jaxmp.initialize(
+  ...     {"w": jnp.ones((4, 3))}, optax.sgd(0.1), "O1", apply_fn=apply)
+  >>> params["w"].dtype, apply(params, jnp.ones((2, 4))).dtype
+  (dtype('float32'), dtype('float32'))
+  >>> jaxpr = jax.make_jaxpr(apply)(params, jnp.ones((2, 4)))
+  >>> "f16[2,3] = dot_general" in str(jaxpr)  # the product in fp16
+  True
   """
+  if apply_fn is not None and not callable(apply_fn):
+    raise TypeError(
+      f"apply_fn must be the model's forward function, got {apply_fn!r}"
+    )
   preset = (
     opt_level
     if isinstance(opt_level, policy_lib.Preset)
@@ -102,4 +181,7 @@ def initialize(
     loss_scale=preset.loss_scale, master_weights=preset.master_weights
   )
   kwargs.update(overrides)
-  return params, mp.mixed_precision(optimizer, **kwargs)
+  optimizer = mp.mixed_precision(optimizer, **kwargs)
+  if apply_fn is None:
+    return params, optimizer
+  return _patch_forward(apply_fn, preset), params, optimizer

@@ -9,8 +9,9 @@ up from a single string.
 """
 
 import dataclasses
-from typing import Union
+from typing import Any, Optional, Union
 
+import jax.numpy as jnp
 import jmp
 import numpy as np
 
@@ -34,6 +35,11 @@ class Preset:
       copies in the optimizer state), ``False`` (none: the plain half
       update), ``"kahan"`` or ``"stochastic"`` (no fp32 copy; see there).
     description: one line for humans.
+    autocast: the dtype of `jaxmp.autocast` for the forward pass, as Apex's
+      ``patch_torch_functions``: ``jnp.float16`` for O1 (the model stays
+      fp32, its matrix products and convolutions run in fp16, the sensitive
+      ops in fp32); ``None`` (every other preset): the model computes in
+      ``policy.compute_dtype`` as it is built.
   """
 
   name: str
@@ -42,6 +48,7 @@ class Preset:
   keep_batchnorm_fp32: bool
   master_weights: Union[bool, str]
   description: str
+  autocast: Optional[Any] = None
 
 
 # NumPy scalars: building a preset must not start a JAX backend at import.
@@ -50,9 +57,17 @@ _STATIC_ONE = jmp.StaticLossScale(np.float32(1.0))
 _NOOP = jmp.NoOpLossScale()
 
 
-def _preset(name, policy, loss_scale, keep_bn_fp32, master, description):
+def _preset(
+  name, policy, loss_scale, keep_bn_fp32, master, description, autocast=None
+):
   return Preset(
-    name, jmp.get_policy(policy), loss_scale, keep_bn_fp32, master, description
+    name,
+    jmp.get_policy(policy),
+    loss_scale,
+    keep_bn_fp32,
+    master,
+    description,
+    autocast,
   )
 
 
@@ -67,13 +82,18 @@ PRESETS = {
       False,
       "fp32 everywhere: the accuracy baseline.",
     ),
+    # Apex's O1: the model is left fp32 (its params and its compute dtype);
+    # jaxmp.autocast runs its matrix products and convolutions in fp16.
     _preset(
       "O1",
-      "p=f32,c=f16,o=f32",
+      "p=f32,c=f32,o=f32",
       _DYNAMIC,
       True,
       False,
-      "fp32 params, fp16 compute, BatchNorm fp32, dynamic loss scaling.",
+      "fp32 params and model, forward under jaxmp.autocast(float16): "
+      "products and convolutions fp16, sensitive ops fp32; dynamic loss "
+      "scaling.",
+      jnp.float16,
     ),
     _preset(
       "O2",
