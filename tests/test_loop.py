@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -247,20 +248,28 @@ def test_eval_counts_every_example_once(make_config, data_dir, tiny_data):
 def test_resume_is_exact_for_the_whole_state(
   on_device, policy, make_config, data_dir, tiny_data, tmp_path
 ):
-  """6 steps in one go == 4 steps, stop, resume to 6: every bit of the state.
+  """6 steps in one go == stopped after 4, resumed to 6: every bit of the state.
 
-  The state fingerprint covers step, params, BatchNorm statistics, the whole
-  optimizer state (masters or Kahan compensation or rounding key, momentum,
-  loss scale, counters) and the data key.
+  The run that stops is a copy of the uninterrupted one's workdir as it was
+  after step 4 (its checkpoint 4 and the records up to it): one run less
+  per case than training the first 4 steps again, and the same files a run
+  killed after step 4 leaves. The state fingerprint covers step, params,
+  BatchNorm statistics, the whole optimizer state (masters or Kahan
+  compensation or rounding key, momentum, loss scale, counters) and the
+  data key.
   """
-  config = lambda **kw: make_config(
-    data_dir, data_on_device=on_device, policy=policy, **kw
+  config = make_config(
+    data_dir, data_on_device=on_device, policy=policy, keep_checkpoints=3
   )
-  full = str(tmp_path / "full")
-  ref = loop.train_and_evaluate(config(), full, data=tiny_data)
-  split = str(tmp_path / "split")
-  loop.train_and_evaluate(config(num_train_steps=4), split, data=tiny_data)
-  resumed = loop.train_and_evaluate(config(), split, data=tiny_data)
+  full = tmp_path / "full"
+  ref = loop.train_and_evaluate(config, str(full), data=tiny_data)
+  split = tmp_path / "split"
+  shutil.copytree(full / "checkpoints" / "4", split / "checkpoints" / "4")
+  with open(split / "steps.jsonl", "w") as f:
+    for record in read_jsonl(full / "steps.jsonl"):
+      if record["step"] <= 4:
+        f.write(json.dumps(record) + "\n")
+  resumed = loop.train_and_evaluate(config, str(split), data=tiny_data)
   assert resumed["steps"] == 6
   assert resumed["state_fingerprint"] == ref["state_fingerprint"]
   assert resumed["params_fingerprint"] == ref["params_fingerprint"]
@@ -269,6 +278,7 @@ def test_resume_is_exact_for_the_whole_state(
     for r in read_jsonl(os.path.join(d, "steps.jsonl"))
   ]
   assert losses(split) == losses(full)
+  assert sorted(os.listdir(split / "checkpoints")) == ["4", "6"]
 
 
 def test_same_seed_same_state(make_config, data_dir, tiny_data, tmp_path):
