@@ -267,10 +267,11 @@ def test_transient_and_code_errors_stop_and_move_nothing(
       raise error
     return read(self, directory, *args, **kwargs)
 
-  monkeypatch.setattr(ocp.JsonCheckpointHandler, "restore", failing_read)
   manager = checkpoint.create_manager(workdir, keep=3)
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, "restore", failing_read)
+  template = _template(make_config, data_dir)
   with pytest.raises(type(error)) as raised:
-    checkpoint.restore_latest(manager, _template(make_config, data_dir))
+    checkpoint.restore_latest(manager, template)
   manager.close()
   assert raised.value is error  # Its class, message and traceback.
   assert any(newest in note for note in raised.value.__notes__)

@@ -33,7 +33,6 @@ def test_train_and_evaluate_synthetic_writes_everything(
   assert summary["steps"] == 6 and summary["num_devices"] == 4
   assert summary["num_processes"] == 1 and summary["test_count"] == 100
   assert summary["config"] == make_config(data_dir).to_dict()
-  assert 0 < summary["seconds_to_first_step"] < summary["wall_seconds"]
   for key in ("params_fingerprint", "state_fingerprint"):
     assert re.fullmatch("[0-9a-f]{64}", summary[key]), key
   with open(os.path.join(workdir, "summary.json")) as f:
@@ -63,7 +62,8 @@ def test_train_and_evaluate_synthetic_writes_everything(
   )
   step_records = read_jsonl(os.path.join(workdir, "steps.jsonl"))
   assert [r["step"] for r in step_records] == [1, 2, 3, 4, 5, 6]
-  # The epoch's train loss is the mean of its steps' losses (fp32 sums).
+  # The epoch's train loss is the mean of its steps' losses: fp32 sums of 6
+  # terms on the device, within 6 u = 3.6e-7 of the float64 mean here.
   mean = sum(r["loss"] for r in step_records) / 6
   assert record["train_loss"] == pytest.approx(mean, rel=1e-6)
   assert record["loss_scale"] == step_records[-1]["loss_scale"]
