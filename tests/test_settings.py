@@ -139,3 +139,23 @@ def test_unknown_master_weights_lists_the_valid_ones():
   config.master_weights = "fp64"
   with pytest.raises(ConfigError, match="unknown master_weights 'fp64'.*kahan"):
     settings.resolve(config)
+
+
+def test_every_setting_is_read_by_the_app():
+  # A field that nothing reads is a config key that silently does nothing.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+
+  package = pathlib.Path(settings.__file__).parent
+  code = "".join(
+    p.read_text() for p in package.glob("*.py") if p.name != "settings.py"
+  )
+  # The app names its Settings `s`, `settings` (job.settings) or `resolved`;
+  # the config (`config.x`) does not count.
+  unread = [
+    f.name
+    for f in dataclasses.fields(settings.Settings)
+    if not re.search(rf"\b(s|settings|resolved)\.{f.name}\b", code)
+  ]
+  assert not unread, unread
