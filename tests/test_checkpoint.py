@@ -89,8 +89,12 @@ def test_killed_and_failed_saves_resume_exactly(data_dir, tmp_path):
         ],
       )
     jobs.append(job)
+  # A guard against a hung child, not a speed limit: 7 jobs of ~30 s of CPU
+  # each on a loaded 2-core machine.
   results = run_driver(
-    {"data_dir": data_dir, "jobs": jobs}, str(tmp_path / "spec.json")
+    {"data_dir": data_dir, "jobs": jobs},
+    str(tmp_path / "spec.json"),
+    timeout=1200,
   )
   logs = [read_log(job) for job in jobs]
   fingerprint = lambda log: re.findall(r"^fingerprint (\w+)$", log, re.M)
