@@ -9,13 +9,21 @@ epoch``, so a resumed run sees exactly the batches an uninterrupted one would.
 
 Orbax writes each checkpoint into a temporary directory and renames it when
 complete, so a process killed during a save leaves the previous checkpoint
-intact; leftovers are removed on the next start. A checkpoint that fails to
-restore (truncated, a file missing) is skipped with a warning for the previous
-one, and moved to ``<workdir>/unusable_checkpoints/``.
+intact; leftovers are removed on the next start. Only a checkpoint that is
+positively corrupt (a file missing or truncated, unreadable JSON: orbax and
+TensorStore say so, see `corruption`) is skipped with a warning for the
+previous one, and moved to ``<workdir>/unusable_checkpoints/``. Any other
+error of a restore (an I/O error such as ``EIO``, a timeout, a bug) stops the
+run with that error, every checkpoint left where it is: the next run, once
+the storage answers again, resumes from the newest.
 """
 
+import contextlib
+import errno
+import json
 import os
 import re
+import sys
 import time
 from typing import Any, Optional
 
@@ -109,7 +117,9 @@ def save(
       ),
     )
   except Exception as e:  # pylint: disable=broad-except
-    raise _save_error(manager, e) from e
+    if _is_io_error(e):
+      raise _save_error(manager, e) from e
+    raise
 
 
 def wait_until_finished(manager: ocp.CheckpointManager) -> None:
@@ -117,7 +127,64 @@ def wait_until_finished(manager: ocp.CheckpointManager) -> None:
   try:
     manager.wait_until_finished()
   except Exception as e:  # pylint: disable=broad-except
-    raise _save_error(manager, e) from e
+    if _is_io_error(e):
+      raise _save_error(manager, e) from e
+    raise
+
+
+def close(manager: ocp.CheckpointManager) -> None:
+  """Waits for the pending save and closes; `CheckpointError` if it failed."""
+  try:
+    manager.close()
+  except Exception as e:  # pylint: disable=broad-except
+    if _is_io_error(e):
+      raise _save_error(manager, e) from e
+    raise
+
+
+@contextlib.contextmanager
+def open_manager(workdir: str, keep: int):
+  """`create_manager` as a context manager: closed on every exit.
+
+  On the way out of a failed run the pending save is still finished (orbax's
+  writer thread must not outlive the run); an error of that save is printed
+  as a warning, and the run's own error is the one raised.
+  """
+  manager = create_manager(workdir, keep)
+  try:
+    yield manager
+  except BaseException as error:
+    try:
+      manager.close()
+    except Exception as e:  # pylint: disable=broad-except
+      if _chain(e)[-1] is not _chain(error)[-1]:  # Not the same failure.
+        print(
+          f"WARNING: closing the checkpoints after an error: {_reason(e)}",
+          file=sys.stderr,
+          flush=True,
+        )
+    raise
+  close(manager)
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+  """``error`` and its causes and contexts, outermost first."""
+  chain = [error]
+  while True:
+    nxt = chain[-1].__cause__ or chain[-1].__context__
+    if nxt is None or nxt in chain:
+      return chain
+    chain.append(nxt)
+
+
+def _reason(error: BaseException) -> str:
+  text = str(error).splitlines()[0][:300] if str(error) else ""
+  return text or type(error).__name__
+
+
+def _is_io_error(error: BaseException) -> bool:
+  """Whether ``error`` comes from the storage (an `OSError` in its chain)."""
+  return any(isinstance(e, OSError) for e in _chain(error))
 
 
 def _save_error(
@@ -126,17 +193,15 @@ def _save_error(
   """One line: what failed and which checkpoint a restart will use.
 
   orbax writes in a background thread and reports its failure (a full disk,
-  a lost mount) on the next save or wait; the failed step is only in a
-  temporary directory, so the newest renamed one is intact.
+  a lost mount: an `OSError`, `_is_io_error`) on the next save or wait; the
+  failed step is only in a temporary directory, so the newest renamed one is
+  intact. Any other error is a bug, raised as it is by the callers.
   """
   directory = str(manager.directory)
   complete = sorted(int(d) for d in os.listdir(directory) if d.isdigit())
   newest = os.path.join(directory, str(complete[-1])) if complete else "none"
-  reason = (
-    str(error).splitlines()[0][:300] if str(error) else type(error).__name__
-  )
   return CheckpointError(
-    f"saving a checkpoint failed: {reason}; the newest complete "
+    f"saving a checkpoint failed: {_reason(error)}; the newest complete "
     f"checkpoint is {newest}"
   )
 
@@ -170,15 +235,57 @@ def _check_shapes(
       )
 
 
-def _restore_error(error: Exception, names: list[str]) -> str:
-  """The innermost cause, on one line, with ``leaf_NNNN`` given its name.
+class CorruptCheckpointError(ValueError):
+  """A checkpoint whose files disagree with each other (ours to raise)."""
+
+
+# TensorStore's status codes of a file that is missing, cut short or
+# malformed: "NOT_FOUND: Error opening ... does not exist", "OUT_OF_RANGE:
+# ... Requested byte range [0, 2291) is not valid for value of size 1278",
+# "FAILED_PRECONDITION: ... Truncated Zstd-compressed stream", "DATA_LOSS:
+# ... checksum mismatch". Its I/O errors ("UNAVAILABLE", "DEADLINE_EXCEEDED",
+# "UNKNOWN: ... [OS error 5: Input/output error]") are not among them.
+_CORRUPT_STATUS = re.compile(
+  r"^(NOT_FOUND|OUT_OF_RANGE|FAILED_PRECONDITION|DATA_LOSS): "
+)
+_OS_ERROR = re.compile(r"\[OS error (\d+)")
+
+
+def corruption(error: BaseException) -> Optional[BaseException]:
+  """The link of ``error``'s chain that proves a checkpoint corrupt, or None.
+
+  Positively corrupt: a file missing (`FileNotFoundError`, TensorStore's
+  ``NOT_FOUND``), cut short or malformed (``OUT_OF_RANGE``,
+  ``FAILED_PRECONDITION``, ``DATA_LOSS``, JSON that does not parse), or
+  files that disagree (`CorruptCheckpointError`). None for anything else,
+  and for any chain that holds an I/O error: an `OSError` other than "no
+  such file" (``EIO``, a timeout, a lost mount) or TensorStore's report of
+  one may pass on the next try, and a bug is a bug.
+  """
+  chain = _chain(error)
+  for e in chain:
+    if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+      return None
+    found = _OS_ERROR.search(str(e))
+    if found and int(found.group(1)) != errno.ENOENT:
+      return None
+  for e in chain:
+    if isinstance(
+      e, (FileNotFoundError, json.JSONDecodeError, CorruptCheckpointError)
+    ):
+      return e
+    if isinstance(e, ValueError) and _CORRUPT_STATUS.match(str(e)):
+      return e
+  return None
+
+
+def _restore_error(error: BaseException, names: list[str]) -> str:
+  """The cause, on one line, with ``leaf_NNNN`` given its name.
 
   TensorStore's outer error prints a whole spec; the cause says which array
   could not be read (a data file missing or truncated) and why.
   """
-  while error.__cause__ is not None or error.__context__ is not None:
-    error = error.__cause__ or error.__context__
-  text = str(error).splitlines()[0] if str(error) else type(error).__name__
+  text = _reason(error)
   text = re.sub(
     r"leaf_(\d{4})",
     lambda m: (
@@ -217,6 +324,14 @@ def _set_aside(manager: ocp.CheckpointManager, paths: list[str]) -> None:
   manager.reload()
 
 
+def _note_kept(error: BaseException, path: str) -> None:
+  error.add_note(
+    f"while restoring {path}; this is not a sign of a corrupt checkpoint, "
+    "so every checkpoint was left where it is: run again once the cause is "
+    "fixed to resume from the newest"
+  )
+
+
 def restore_latest(
   manager: ocp.CheckpointManager, template
 ) -> tuple[Any, Optional[str]]:
@@ -225,9 +340,14 @@ def restore_latest(
   Returns:
     ``(state, path)``; ``(template, None)`` when there is no checkpoint.
 
+  Only checkpoints proven corrupt (`corruption`) are passed over, for the
+  next older one, and set aside once one restores.
+
   Raises:
     CheckpointError: shapes do not match the config (naming the leaf), or no
       checkpoint is usable (naming the paths tried).
+    Exception: any other error of a restore (``OSError(EIO)``, a timeout, a
+      bug), as it is, with a note; no checkpoint is moved.
   """
   steps = sorted(manager.all_steps(), reverse=True)
   if not steps:
@@ -248,8 +368,11 @@ def restore_latest(
     path = os.path.join(str(manager.directory), str(step))
     try:
       metadata = manager.item_metadata(step)
-    except Exception:  # pylint: disable=broad-except
-      metadata = None
+    except Exception as e:  # pylint: disable=broad-except
+      if corruption(e) is None:
+        _note_kept(e, path)
+        raise
+      metadata = None  # The restore below finds what is wrong.
     _check_shapes(path, flat, names, metadata)
     try:
       restored = manager.restore(
@@ -265,9 +388,16 @@ def restore_latest(
       if restored["meta"]["step"] != step or set(restored["state"]) != set(
         flat
       ):
-        raise ValueError("incomplete checkpoint")
+        raise CorruptCheckpointError(
+          f"incomplete checkpoint: the record says step "
+          f"{restored['meta']['step']}, with {len(restored['state'])} arrays"
+        )
     except Exception as e:  # pylint: disable=broad-except
-      reason = _restore_error(e, names)
+      cause = corruption(e)
+      if cause is None:  # An I/O error or a bug: stop, move nothing.
+        _note_kept(e, path)
+        raise
+      reason = _restore_error(cause, names)
       print(
         f"WARNING: checkpoint {path} is unusable ({reason}); "
         "falling back to an older one",

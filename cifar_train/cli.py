@@ -33,6 +33,12 @@ def run(
   try:
     # Validated before the heavy imports: a bad value fails at once.
     resolved = settings.resolve(config)
+    if resolved.reuse_host_memory:
+      from cifar_train import startup  # pylint: disable=g-import-not-at-top
+
+      # Before JAX starts its CPU client (its thread pools): nothing above
+      # has touched a device.
+      startup.keep_freed_host_memory()
     from cifar_train import loop  # pylint: disable=g-import-not-at-top
 
     loop.train(resolved, workdir, data=data, config_record=config.to_dict())

@@ -1,23 +1,40 @@
-"""The whole job: `train_and_evaluate(config, workdir)`.
+"""The whole job: `train_and_evaluate(config, workdir)`, in named steps.
 
-The one function that reads the config: it resolves it into `Settings`, then
-wires data, mesh, model, optimizer, checkpoints and reporting together with
-explicit values. One jitted train step (donated state, fixed shapes) runs over
-a 1-D device mesh: the batch is sharded over ``data``, params and optimizer
-state are replicated, so BatchNorm statistics, the finite check and the loss
-scale are global by construction. The host syncs only on log steps and at the
-end of an epoch.
+`train` is short on purpose (flax's ``examples/imagenet/train.py`` and
+big_vision's ``train.py`` read the same way); each step is a function that a
+test can call alone:
+
+* `set_up`: processes, mesh, data, model, optimizer; every run-time check
+  that can fail before anything is written;
+* `restore`: the fresh state, or the workdir's newest usable checkpoint, or
+  ``init_from``'s weights; replicated on the mesh;
+* `settle_precision` and `compile_steps`: the calibrated loss scale, then the
+  jitted train and eval steps;
+* `train_epoch`: the steps of one epoch, with logging, the health check and
+  checkpoint saves;
+* `evaluate`: loss and accuracy over the test set, summed on the devices;
+* `finish`: the summary, written by the reporter.
+
+One jitted train step (donated state, fixed shapes) runs over a 1-D device
+mesh: the batch is sharded over ``data``, params and optimizer state are
+replicated, so BatchNorm statistics, the finite check and the loss scale are
+global by construction. The host syncs only on log steps and at the end of
+an epoch. The checkpoint manager and the reporter (progress bar, TensorBoard
+writer) are context managers, closed on every exit, errors included.
 """
 
+import contextlib
+import dataclasses
 import json
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from absl import logging
 import jax
 import numpy as np
 import ml_collections
-from jax.sharding import NamedSharding, PartitionSpec as P
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxmp
 from cifar_train import batches as batches_lib
@@ -43,38 +60,192 @@ def load_data(s: settings_lib.Settings) -> data_sources.Dataset:
   )
 
 
-def evaluate(
-  eval_step,
-  state: steps.TrainState,
-  data: data_sources.Dataset,
-  sharding: NamedSharding,
-  *,
-  batch_size: int,
-  mean,
-  std,
-) -> dict:
-  """Loss and accuracy over every test example exactly once."""
-  totals = steps.zero_metrics()
-  del totals["last_loss"]
-  for batch in host_stream.eval_batches(
-    data.test_images,
-    data.test_labels,
-    batch_size=batch_size,
-    mean=mean,
-    std=std,
-    process_index=jax.process_index(),
-    process_count=jax.process_count(),
-  ):
-    b = mesh_lib.global_batch(batch, sharding)
-    m = eval_step(state, b["image"], b["label"], b["mask"])
-    totals = jax.tree.map(lambda a, x: a + x.astype(a.dtype), totals, m)
-  totals = mesh_lib.to_host(totals)
-  count = max(int(totals["count"]), 1)
-  return {
-    "loss": float(totals["loss_sum"]) / count,
-    "accuracy": float(totals["correct"]) / count,
-    "count": int(totals["count"]),
-  }
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """What `set_up` builds: everything about a run but its state.
+
+  Attributes:
+    settings: the resolved config.
+    mesh: the 1-D ``data`` mesh.
+    data: the data set.
+    model: the Flax ResNet.
+    precision: the preset, its loss scale calibrated by `settle_precision`.
+    learning_rate: the schedule, over ``num_epochs`` epochs.
+    optimizer: the wrapped optimizer of ``precision``.
+    faults: the test knobs.
+    steps_per_epoch: full batches per epoch.
+    total_steps: where this run stops (``num_train_steps`` or the schedule).
+    initial: ``init_from``'s params and batch_stats, or None.
+  """
+
+  settings: settings_lib.Settings
+  mesh: Mesh
+  data: data_sources.Dataset
+  model: Any
+  precision: settings_lib.Precision
+  learning_rate: optax.Schedule
+  optimizer: optax.GradientTransformation
+  faults: faults_lib.Faults
+  steps_per_epoch: int
+  total_steps: int
+  initial: Optional[dict]
+
+  @property
+  def replicated(self) -> NamedSharding:
+    """Params, optimizer state and metrics: the same on every device."""
+    return NamedSharding(self.mesh, P())
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    """Batches: split over the ``data`` axis."""
+    return NamedSharding(self.mesh, P("data"))
+
+  @property
+  def num_devices(self) -> int:
+    """The devices of the mesh."""
+    return self.mesh.devices.size
+
+
+def make_optimizer(
+  s: settings_lib.Settings,
+  precision: settings_lib.Precision,
+  learning_rate: optax.Schedule,
+) -> optax.GradientTransformation:
+  """The optimizer of the settings with ``precision``'s loss scale."""
+  return steps.create_optimizer(
+    precision,
+    learning_rate,
+    momentum=s.momentum,
+    nesterov=s.nesterov,
+    weight_decay=s.weight_decay,
+    seed=s.seed,
+    diagnostics=s.diagnostics,
+  )
+
+
+def set_up(
+  s: settings_lib.Settings, data: Optional[data_sources.Dataset] = None
+) -> Job:
+  """Joins the processes, builds mesh, data, model and optimizer.
+
+  Raises:
+    ConfigError: a value that only the devices or the data can refute (a
+      batch larger than the data set, more devices than visible), before
+      anything is written.
+  """
+  mesh_lib.initialize_distributed(
+    s.coordinator_address, s.num_processes, s.process_id
+  )
+  startup.enable_compile_cache(s.compile_cache_dir)
+  mesh = mesh_lib.create_mesh(
+    s.num_devices,
+    {"batch_size": s.batch_size, "eval_batch_size": s.eval_batch_size},
+  )
+  data = data if data is not None else load_data(s)
+  steps_per_epoch = host_stream.steps_per_epoch(
+    len(data.train_images), s.batch_size
+  )
+  if steps_per_epoch < 1:
+    raise ConfigError(
+      f"batch_size {s.batch_size} is larger than the "
+      f"{len(data.train_images)} training examples"
+    )
+  # num_train_steps stops the run early; the learning-rate schedule follows
+  # num_epochs, so a run stopped at k steps and resumed is the same run.
+  schedule_steps = steps_per_epoch * s.num_epochs
+  total_steps = s.num_train_steps if s.num_train_steps > 0 else schedule_steps
+  precision = s.precision
+  model = steps.create_model(
+    s.model,
+    num_classes=data.num_classes,
+    num_filters=s.num_filters,
+    precision=precision,
+  )
+  learning_rate = steps.create_learning_rate(
+    s.learning_rate,
+    schedule=s.lr_schedule,
+    warmup_steps=int(s.warmup_epochs * steps_per_epoch),
+    total_steps=max(schedule_steps, total_steps),
+  )
+  # Read and checked before anything is written: a mismatch is one line.
+  initial = None
+  if s.init_from:
+    initial = steps.load_torch_weights(
+      s.init_from,
+      model_name=s.model,
+      num_classes=data.num_classes,
+      num_filters=s.num_filters,
+    )
+  return Job(
+    settings=s,
+    mesh=mesh,
+    data=data,
+    model=model,
+    precision=precision,
+    learning_rate=learning_rate,
+    optimizer=make_optimizer(s, precision, learning_rate),
+    faults=faults_lib.Faults(
+      nan_data_at_step=s.inject_nan_data_at_step,
+      overflow_at_step=s.inject_overflow_at_step,
+      overflow_leaf=s.inject_overflow_leaf,
+    ),
+    steps_per_epoch=steps_per_epoch,
+    total_steps=total_steps,
+    initial=initial,
+  )
+
+
+def restore(job: Job, manager) -> tuple[steps.TrainState, Optional[str]]:
+  """The state to start from, replicated over the mesh, and where from.
+
+  The workdir's newest usable checkpoint (`checkpoint.restore_latest`)
+  takes precedence over ``init_from``; with neither, a fresh state.
+
+  Returns:
+    ``(state, path of the checkpoint or None)``.
+  """
+  s = job.settings
+  state = steps.create_train_state(
+    job.model, job.optimizer, job.data.image_shape, seed=s.seed
+  )
+  faults_lib.check(job.faults, state.params)
+  state, resumed = ckpt_lib.restore_latest(manager, state)
+  if job.initial is not None and not resumed:
+    state = steps.with_initial_weights(state, job.optimizer, job.initial)
+    print(f"Initialised params and batch_stats from {s.init_from}", flush=True)
+  if jax.process_count() > 1:
+    # Placing a committed one-device array on other processes' devices is a
+    # cross-host transfer, which CPU and GPU backends lack; every process
+    # holds the same values, so place host copies (jax checks they agree).
+    state = jax.device_get(state)
+  state = jax.device_put(state, job.replicated)
+  if resumed:
+    print(f"Resuming from {resumed} at step {int(state.step)}", flush=True)
+    if s.init_from:
+      print(
+        f"Not loading init_from {s.init_from}: the workdir's checkpoint "
+        "takes precedence",
+        flush=True,
+      )
+  return state, resumed
+
+
+def make_batch_source(job: Job) -> batches_lib.BatchSource:
+  """The train batches: host stream or device-resident, as configured."""
+  s = job.settings
+  source_cls = (
+    batches_lib.DeviceResident if s.data_on_device else batches_lib.HostStream
+  )
+  source_args = dict(
+    batch_size=s.batch_size,
+    mean=s.mean,
+    std=s.std,
+    augment=s.augment,
+    replicated=job.replicated,
+    batch_sharding=job.batch_sharding,
+    seed=s.seed,
+  )
+  return source_cls(job.data, **source_args)
 
 
 def calibrate(
@@ -119,6 +290,101 @@ def calibrate(
   return settings_lib.with_initial_scale(precision, scale)
 
 
+def settle_precision(
+  job: Job,
+  state: steps.TrainState,
+  source: batches_lib.BatchSource,
+  resumed: Optional[str],
+) -> tuple[Job, steps.TrainState]:
+  """With ``init_loss_scale='auto'``: the job and state of the scale found.
+
+  A fresh run calibrates on its first batch and starts its optimizer state
+  from the scale found; a resumed run keeps its checkpoint's scale.
+  """
+  if not job.precision.calibrate:
+    return job, state
+  if resumed:
+    print(
+      "init_loss_scale 'auto': resumed, keeping the checkpoint's loss scale",
+      flush=True,
+    )
+    return job, state
+  loss_fn = steps.make_loss_fn(
+    job.model,
+    compute_dtype=job.precision.compute_dtype,
+    label_smoothing=job.settings.label_smoothing,
+  )
+  precision = calibrate(job.precision, loss_fn, state, source)
+  optimizer = make_optimizer(job.settings, precision, job.learning_rate)
+  state = state.replace(
+    opt_state=jax.device_put(optimizer.init(state.params), job.replicated)
+  )
+  return dataclasses.replace(
+    job, precision=precision, optimizer=optimizer
+  ), state
+
+
+def compile_steps(
+  job: Job, source: batches_lib.BatchSource
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+  """The jitted ``(train step over source's batches, eval step)``."""
+  precision = job.precision
+  step_fn = source.jit_step(
+    steps.make_train_step(
+      job.model,
+      job.optimizer,
+      compute_dtype=precision.compute_dtype,
+      label_smoothing=job.settings.label_smoothing,
+      faults=job.faults,
+    )
+  )
+  r, b = job.replicated, job.batch_sharding
+  eval_step = jax.jit(
+    steps.make_eval_step(job.model, compute_dtype=precision.compute_dtype),
+    in_shardings=(r, b, b, b, r),
+    out_shardings=r,
+    compiler_options=jaxmp.cpu_compiler_options() or None,
+  )
+  return step_fn, eval_step
+
+
+def evaluate(
+  eval_step,
+  state: steps.TrainState,
+  data: data_sources.Dataset,
+  sharding: NamedSharding,
+  *,
+  batch_size: int,
+  mean,
+  std,
+) -> dict:
+  """Loss and accuracy over every test example exactly once.
+
+  ``eval_step`` (`steps.make_eval_step`, jitted) adds each batch to sums
+  that stay on the devices; the host fetches them once, at the end.
+  """
+  replicated = NamedSharding(sharding.mesh, P())
+  sums = jax.device_put(steps.zero_eval_sums(), replicated)
+  for batch in host_stream.eval_batches(
+    data.test_images,
+    data.test_labels,
+    batch_size=batch_size,
+    mean=mean,
+    std=std,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+  ):
+    b = mesh_lib.global_batch(batch, sharding)
+    sums = eval_step(state, b["image"], b["label"], b["mask"], sums)
+  totals = mesh_lib.to_host(sums)
+  count = max(int(totals["count"]), 1)
+  return {
+    "loss": float(totals["loss_sum"]) / count,
+    "accuracy": float(totals["correct"]) / count,
+    "count": int(totals["count"]),
+  }
+
+
 def worst_leaf(opt_state, metrics) -> Optional[tuple[str, int]]:
   """``(path, non-finite count)`` of the last skipped step's worst leaf.
 
@@ -130,6 +396,133 @@ def worst_leaf(opt_state, metrics) -> Optional[tuple[str, int]]:
   if not rows or not rows[0].nonfinite:
     return None
   return rows[0].path, rows[0].nonfinite
+
+
+@dataclasses.dataclass
+class Clock:
+  """When the run started; how long its first step took to come."""
+
+  start: float = dataclasses.field(default_factory=time.time)
+  seconds_to_first_step: Optional[float] = None
+
+
+def _log_step(job: Job, state, metrics, step: int, reporter) -> None:
+  """A log step: the step's record, then the health check."""
+  s = job.settings
+  reporter.log_step(
+    step,
+    mesh_lib.to_host(
+      {
+        **jaxmp.stats(state.opt_state),
+        "loss": metrics["last_loss"],
+        "accuracy": metrics["correct"] / metrics["count"],
+      }
+    ),
+    worst_leaf=worst_leaf(state.opt_state, metrics) if s.diagnostics else None,
+  )
+  try:
+    jaxmp.check_health(
+      state.opt_state,
+      step,
+      s.max_consecutive_skips,
+      max_nonfinite_loss_steps=s.max_nonfinite_loss_steps,
+    )
+  except (jaxmp.LossScaleCollapseError, jaxmp.NonFiniteLossError) as e:
+    raise TrainingError(str(e)) from None
+
+
+def train_epoch(
+  job: Job,
+  state: steps.TrainState,
+  step_fn,
+  source: batches_lib.BatchSource,
+  *,
+  reporter,
+  manager,
+  clock: Clock,
+) -> tuple[steps.TrainState, dict]:
+  """The steps from ``state.step`` to the end of its epoch (or the run).
+
+  Logs on log steps (one host fetch each), checks the run's health there,
+  starts the checkpoint saves that are due.
+
+  Returns:
+    ``(state, {"loss", "accuracy", "epoch", "step", "steps", "seconds"})``:
+    the train metrics of the steps run, fetched once at the end; the epoch
+    (counted from 1) and the step reached; the number of steps run and the
+    seconds they took.
+  """
+  s = job.settings
+  step = int(state.step)  # One fetch per epoch.
+  epoch, start_batch = divmod(step, job.steps_per_epoch)
+  epoch_end = min((epoch + 1) * job.steps_per_epoch, job.total_steps)
+  metrics = jax.device_put(steps.zero_metrics(state.opt_state), job.replicated)
+  started, first = time.time(), step
+  for args in source.epoch(state, epoch, start_batch, epoch_end - step):
+    state, metrics = step_fn(state, *args, metrics)
+    step += 1
+    if clock.seconds_to_first_step is None:  # One sync, on the first step.
+      jax.block_until_ready(state.step)
+      clock.seconds_to_first_step = time.time() - startup.process_start_time()
+      print(
+        f"First step done {clock.seconds_to_first_step:.1f} s after start "
+        "(imports, data, compile)",
+        flush=True,
+      )
+    reporter.progress(step)
+    if step % s.log_every_steps == 0 or step == epoch_end:
+      _log_step(job, state, metrics, step, reporter)
+    if ckpt_lib.should_save(
+      s.checkpoint_every_steps, step, epoch_end, job.total_steps
+    ):
+      ckpt_lib.save(
+        manager, state, step, epoch_end == step, job.steps_per_epoch
+      )
+  m = mesh_lib.to_host(metrics)
+  count = max(int(m["count"]), 1)
+  return state, {
+    "loss": float(m["loss_sum"]) / count,
+    "accuracy": float(m["correct"]) / count,
+    "epoch": epoch + 1,
+    "step": step,
+    "steps": step - first,
+    "seconds": time.time() - started,
+  }
+
+
+def finish(
+  job: Job,
+  state: steps.TrainState,
+  *,
+  train: dict,
+  test: dict,
+  manager,
+  reporter,
+  clock: Clock,
+  config_record: Optional[dict],
+) -> dict:
+  """Waits for the last save; writes and returns the summary."""
+  ckpt_lib.wait_until_finished(manager)
+  summary = {
+    "test_loss": test["loss"],
+    "test_accuracy": test["accuracy"],
+    "test_count": test["count"],
+    "train_loss": train["loss"],
+    "train_accuracy": train["accuracy"],
+    "steps": int(state.step),
+    "wall_seconds": time.time() - clock.start,
+    "seconds_to_first_step": clock.seconds_to_first_step,
+    "num_devices": job.num_devices,
+    "num_processes": jax.process_count(),
+    "params_fingerprint": steps.params_fingerprint(state),
+    "state_fingerprint": steps.state_fingerprint(state),
+    "config": config_record,
+  }
+  reporter.finish(summary)
+  logging.info(
+    "done: %s", json.dumps({k: v for k, v in summary.items() if k != "config"})
+  )
+  return summary
 
 
 def train_and_evaluate(
@@ -171,243 +564,69 @@ def train(
 
   ``config_record`` is what ``summary.json`` records as the config.
   """
-  mesh_lib.initialize_distributed(
-    s.coordinator_address, s.num_processes, s.process_id
-  )
+  clock = Clock()
   reporting.check_workdir(workdir)
-  start_time = time.time()
-  startup.enable_compile_cache(s.compile_cache_dir)
-  mesh = mesh_lib.create_mesh(
-    s.num_devices,
-    {"batch_size": s.batch_size, "eval_batch_size": s.eval_batch_size},
-  )
-  data = data if data is not None else load_data(s)
-  num_devices = mesh.devices.size
-  replicated = NamedSharding(mesh, P())
-  batch_sharding = NamedSharding(mesh, P("data"))
-
-  steps_per_epoch = host_stream.steps_per_epoch(
-    len(data.train_images), s.batch_size
-  )
-  if steps_per_epoch < 1:
-    raise ConfigError(
-      f"batch_size {s.batch_size} is larger than the "
-      f"{len(data.train_images)} training examples"
-    )
-  # num_train_steps stops the run early; the learning-rate schedule follows
-  # num_epochs, so a run stopped at k steps and resumed is the same run.
-  schedule_steps = steps_per_epoch * s.num_epochs
-  total_steps = s.num_train_steps if s.num_train_steps > 0 else schedule_steps
-
-  precision = s.precision
-  model = steps.create_model(
-    s.model,
-    num_classes=data.num_classes,
-    num_filters=s.num_filters,
-    precision=precision,
-  )
-  learning_rate = steps.create_learning_rate(
-    s.learning_rate,
-    schedule=s.lr_schedule,
-    warmup_steps=int(s.warmup_epochs * steps_per_epoch),
-    total_steps=max(schedule_steps, total_steps),
-  )
-  make_optimizer = lambda precision: steps.create_optimizer(
-    precision,
-    learning_rate,
-    momentum=s.momentum,
-    nesterov=s.nesterov,
-    weight_decay=s.weight_decay,
-    seed=s.seed,
-    diagnostics=s.diagnostics,
-  )
-  optimizer = make_optimizer(precision)
-  faults = faults_lib.Faults(
-    nan_data_at_step=s.inject_nan_data_at_step,
-    overflow_at_step=s.inject_overflow_at_step,
-    overflow_leaf=s.inject_overflow_leaf,
-  )
-  # Read and checked before anything is written: a mismatch is one line.
-  initial = None
-  if s.init_from:
-    initial = steps.load_torch_weights(
-      s.init_from,
-      model_name=s.model,
-      num_classes=data.num_classes,
-      num_filters=s.num_filters,
-    )
-  state = steps.create_train_state(
-    model, optimizer, data.image_shape, seed=s.seed
-  )
-  faults_lib.check(faults, state.params)
-  manager = ckpt_lib.create_manager(workdir, s.keep_checkpoints)
-  state, resumed = ckpt_lib.restore_latest(manager, state)
-  if initial is not None and not resumed:
-    state = steps.with_initial_weights(state, optimizer, initial)
-    print(f"Initialised params and batch_stats from {s.init_from}", flush=True)
-  if jax.process_count() > 1:
-    # Placing a committed one-device array on other processes' devices is a
-    # cross-host transfer, which CPU and GPU backends lack; every process
-    # holds the same values, so place host copies (jax checks they agree).
-    state = jax.device_get(state)
-  state = jax.device_put(state, replicated)
-  first_step = int(state.step)
-  if resumed:
-    print(f"Resuming from {resumed} at step {first_step}", flush=True)
-    if s.init_from:
-      print(
-        f"Not loading init_from {s.init_from}: the workdir's checkpoint "
-        "takes precedence",
-        flush=True,
-      )
-
-  eval_step = jax.jit(
-    steps.make_eval_step(model, compute_dtype=precision.compute_dtype),
-    in_shardings=(replicated, batch_sharding, batch_sharding, batch_sharding),
-    out_shardings=replicated,
-    compiler_options=jaxmp.cpu_compiler_options() or None,
-  )
-  source_cls = (
-    batches_lib.DeviceResident if s.data_on_device else batches_lib.HostStream
-  )
-  source_args = dict(
-    batch_size=s.batch_size,
-    mean=s.mean,
-    std=s.std,
-    augment=s.augment,
-    replicated=replicated,
-    batch_sharding=batch_sharding,
-    seed=s.seed,
-  )
-  source: batches_lib.BatchSource = source_cls(data, **source_args)
-  loss_fn = steps.make_loss_fn(
-    model,
-    compute_dtype=precision.compute_dtype,
-    label_smoothing=s.label_smoothing,
-  )
-  if precision.calibrate and not resumed:
-    precision = calibrate(precision, loss_fn, state, source)
-    optimizer = make_optimizer(precision)
-    state = state.replace(
-      opt_state=jax.device_put(optimizer.init(state.params), replicated)
-    )
-  elif precision.calibrate:
-    print(
-      "init_loss_scale 'auto': resumed, keeping the checkpoint's loss scale",
-      flush=True,
-    )
-  step_fn = source.jit_step(
-    steps.make_train_step(
-      model,
-      optimizer,
-      compute_dtype=precision.compute_dtype,
-      label_smoothing=s.label_smoothing,
-      faults=faults,
-    )
-  )
+  job = set_up(s, data)
   evaluate_args = dict(batch_size=s.eval_batch_size, mean=s.mean, std=s.std)
-
-  writer = reporting.Reporter(
-    workdir,
-    num_devices=num_devices,
-    total_steps=total_steps,
-    progress_bar=s.progress_bar,
-    initial_loss_scale=float(
-      mesh_lib.to_host(jaxmp.stats(state.opt_state)["loss_scale"])
-    ),
-  )
-  step = first_step
-  last_train = {"loss": float("nan"), "accuracy": float("nan")}
-  test = None
-  seconds_to_first_step = None
-  while step < total_steps:
-    epoch, start_batch = divmod(step, steps_per_epoch)
-    epoch_end = min((epoch + 1) * steps_per_epoch, total_steps)
-    metrics = jax.device_put(steps.zero_metrics(state.opt_state), replicated)
-    epoch_start, epoch_first_step = time.time(), step
-    for args in source.epoch(state, epoch, start_batch, epoch_end - step):
-      state, metrics = step_fn(state, *args, metrics)
-      step += 1
-      if seconds_to_first_step is None:  # One sync, on the first step only.
-        jax.block_until_ready(state.step)
-        seconds_to_first_step = time.time() - startup.process_start_time()
-        print(
-          f"First step done {seconds_to_first_step:.1f} s after start "
-          "(imports, data, compile)",
-          flush=True,
-        )
-      writer.progress(step)
-      if step % s.log_every_steps == 0 or step == epoch_end:
-        writer.log_step(
-          step,
-          mesh_lib.to_host(
-            {
-              **jaxmp.stats(state.opt_state),
-              "loss": metrics["last_loss"],
-              "accuracy": metrics["correct"] / metrics["count"],
-            }
-          ),
-          worst_leaf=worst_leaf(state.opt_state, metrics)
-          if s.diagnostics
-          else None,
-        )
-        try:
-          jaxmp.check_health(
-            state.opt_state,
-            step,
-            s.max_consecutive_skips,
-            max_nonfinite_loss_steps=s.max_nonfinite_loss_steps,
-          )
-        except (jaxmp.LossScaleCollapseError, jaxmp.NonFiniteLossError) as e:
-          # Finish the pending save: orbax's writer thread must not outlive
-          # the run (it fails at interpreter exit with a traceback).
-          ckpt_lib.wait_until_finished(manager)
-          manager.close()
-          raise TrainingError(str(e)) from None
-      if ckpt_lib.should_save(
-        s.checkpoint_every_steps, step, epoch_end, total_steps
-      ):
-        ckpt_lib.save(manager, state, step, epoch_end == step, steps_per_epoch)
-    m = mesh_lib.to_host(metrics)
-    elapsed = time.time() - epoch_start
-    count = max(int(m["count"]), 1)
-    last_train = {
-      "loss": float(m["loss_sum"]) / count,
-      "accuracy": float(m["correct"]) / count,
-    }
-    test = evaluate(eval_step, state, data, batch_sharding, **evaluate_args)
-    stats = mesh_lib.to_host(jaxmp.stats(state.opt_state))
-    writer.log_epoch(
-      epoch=epoch + 1,
-      step=step,
-      train=last_train,
-      test=test,
-      loss_scale=float(stats["loss_scale"]),
-      skipped_steps=int(stats["skipped_steps"]),
-      images_per_sec=(step - epoch_first_step)
-      * s.batch_size
-      / max(elapsed, 1e-9),
+  with contextlib.ExitStack() as resources:
+    manager = resources.enter_context(
+      ckpt_lib.open_manager(workdir, s.keep_checkpoints)
     )
-  if test is None:  # Nothing left to train (resumed at the end): evaluate.
-    test = evaluate(eval_step, state, data, batch_sharding, **evaluate_args)
-  ckpt_lib.wait_until_finished(manager)
-  summary = {
-    "test_loss": test["loss"],
-    "test_accuracy": test["accuracy"],
-    "train_loss": last_train["loss"],
-    "train_accuracy": last_train["accuracy"],
-    "steps": int(state.step),
-    "wall_seconds": time.time() - start_time,
-    "seconds_to_first_step": seconds_to_first_step,
-    "num_devices": num_devices,
-    "num_processes": jax.process_count(),
-    "params_fingerprint": steps.params_fingerprint(state),
-    "state_fingerprint": steps.state_fingerprint(state),
-    "config": config_record,
-  }
-  writer.finish(summary)
-  manager.close()
-  logging.info(
-    "done: %s", json.dumps({k: v for k, v in summary.items() if k != "config"})
-  )
-  return summary
+    state, resumed = restore(job, manager)
+    source = make_batch_source(job)
+    job, state = settle_precision(job, state, source, resumed)
+    step_fn, eval_step = compile_steps(job, source)
+    reporter = resources.enter_context(
+      reporting.Reporter(
+        workdir,
+        num_devices=job.num_devices,
+        total_steps=job.total_steps,
+        progress_bar=s.progress_bar,
+        initial_loss_scale=float(
+          mesh_lib.to_host(jaxmp.stats(state.opt_state)["loss_scale"])
+        ),
+      )
+    )
+    train = {"loss": float("nan"), "accuracy": float("nan")}
+    test = None
+    step = int(state.step)
+    while step < job.total_steps:
+      state, train = train_epoch(
+        job,
+        state,
+        step_fn,
+        source,
+        reporter=reporter,
+        manager=manager,
+        clock=clock,
+      )
+      step = train["step"]
+      test = evaluate(
+        eval_step, state, job.data, job.batch_sharding, **evaluate_args
+      )
+      stats = mesh_lib.to_host(jaxmp.stats(state.opt_state))
+      reporter.log_epoch(
+        epoch=train["epoch"],
+        step=step,
+        train=train,
+        test=test,
+        loss_scale=float(stats["loss_scale"]),
+        skipped_steps=int(stats["skipped_steps"]),
+        images_per_sec=train["steps"]
+        * s.batch_size
+        / max(train["seconds"], 1e-9),
+      )
+    if test is None:  # Nothing left to train (resumed at the end).
+      test = evaluate(
+        eval_step, state, job.data, job.batch_sharding, **evaluate_args
+      )
+    return finish(
+      job,
+      state,
+      train=train,
+      test=test,
+      manager=manager,
+      reporter=reporter,
+      clock=clock,
+      config_record=config_record,
+    )

@@ -4,6 +4,7 @@ import os
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
@@ -64,11 +65,28 @@ def global_batch(
 
 
 def to_host(tree: Any) -> Any:
-  """Fetches replicated arrays, also those spanning several processes."""
+  """Fetches every array of ``tree`` whole, as numpy, in every process.
+
+  * An array local to this process (all its shards here) is assembled from
+    its shards (`jax.device_get`).
+  * A fully replicated one that spans processes is read from one of this
+    process's devices: every device holds all of it.
+  * A sharded one that spans processes is gathered from all of them
+    (`multihost_utils.process_allgather`). That is a collective: every
+    process must fetch it at the same point, as the loop does (it never
+    fetches on one process only).
+
+  One shard of a sharded array (``addressable_data(0)``) is never taken for
+  the whole: that would silently hash or log a slice.
+  """
 
   def fetch(x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if not isinstance(x, jax.Array):
+      return np.asarray(x)
+    if x.is_fully_addressable:
+      return np.asarray(jax.device_get(x))
+    if x.is_fully_replicated:
       return np.asarray(x.addressable_data(0))
-    return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   return jax.tree.map(fetch, tree)

@@ -38,7 +38,11 @@ def _atomic_write(path: str, text: str) -> None:
 
 
 class Reporter:
-  """Progress bar, the seed's epoch line, metrics.jsonl, TensorBoard, plots."""
+  """Progress bar, the seed's epoch line, metrics.jsonl, TensorBoard, plots.
+
+  A context manager: leaving the ``with`` block, by an error too, closes the
+  progress bar and the TensorBoard writer (`close`).
+  """
 
   def __init__(
     self,
@@ -89,6 +93,25 @@ class Reporter:
       self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
     except ImportError:  # pragma: no cover - declared dependency.
       self._tb = None
+
+  def __enter__(self) -> "Reporter":
+    """Returns the reporter itself."""
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    """Closes (`close`), whatever ended the block."""
+    self.close()
+
+  def close(self) -> None:
+    """Closes the progress bar and the TensorBoard writer; idempotent."""
+    bar, self._bar = self._bar, None
+    tb, self._tb = self._tb, None
+    try:
+      if bar is not None:
+        bar.close()
+    finally:
+      if tb is not None:
+        tb.close()
 
   def progress(self, step: int) -> None:
     """Moves the progress bar to ``step``."""
@@ -224,6 +247,7 @@ class Reporter:
       return
     if self._bar is not None:
       self._bar.close()
+      self._bar = None
     print(
       f"Test Loss: {summary['test_loss']:.3f}, "
       f"Accuracy: {100 * summary['test_accuracy']:.3f}",
@@ -233,8 +257,7 @@ class Reporter:
       os.path.join(self.workdir, "summary.json"),
       json.dumps(summary, indent=2, sort_keys=True) + "\n",
     )
-    if self._tb is not None:
-      self._tb.close()
+    self.close()
     self.plot()
 
   def plot_series(self) -> dict[str, tuple[list, list]]:

@@ -68,7 +68,8 @@ def keep_freed_host_memory() -> bool:
   system time a step for the CIFAR ResNet18 on 2 cores (AMD EPYC). One
   arena, no ``mmap`` and no trimming keep those pages for the next step:
   no faults, 0.3-0.4 s a step faster. It must run before JAX starts its CPU
-  client (its thread pools), so ``train.py`` calls it first.
+  client (its thread pools), so `cli.run` calls it first (with the config's
+  ``reuse_host_memory``).
 
   Skipped (False) where JAX may run on an accelerator (``JAX_PLATFORMS``
   not "cpu", or a GPU/TPU plugin installed): there the host only feeds

@@ -6,6 +6,8 @@ nothing per step.
 """
 
 import hashlib
+import pickle
+import zipfile
 from typing import Any, Callable, Optional, Sequence
 
 import flax
@@ -161,6 +163,26 @@ def create_train_state(
   )
 
 
+# What reading a state dict file raises when the file, not the code, is wrong:
+# a missing reader (ImportError), an unknown format or no state dict in it
+# (ValueError), an unreadable or damaged file (OSError, a bad zip, a broken
+# pickle, a file cut short). Anything else is a bug and keeps its traceback.
+_UNREADABLE = (
+  ImportError,
+  ValueError,
+  OSError,
+  EOFError,
+  zipfile.BadZipFile,
+  pickle.UnpicklingError,
+)
+try:  # An optional reader: its own error class for a damaged file.
+  from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
+
+  _UNREADABLE += (SafetensorError,)
+except ImportError:  # pragma: no cover - safetensors is in the dev extra.
+  pass
+
+
 def load_torch_weights(
   path: str, *, model_name: str, num_classes: int, num_filters: int
 ) -> dict[str, Any]:
@@ -177,7 +199,7 @@ def load_torch_weights(
   """
   try:
     state_dict = models.read_state_dict(path)
-  except Exception as e:  # pylint: disable=broad-except
+  except _UNREADABLE as e:
     raise ConfigError(f"init_from {path}: {e}") from None
   try:
     variables = models.from_torchvision(
@@ -338,24 +360,37 @@ def make_train_step(
   return train_step
 
 
-def make_eval_step(model: models.ResNet, *, compute_dtype: Any):
-  """Returns ``eval_step(state, images, labels, mask) -> sums``.
+def zero_eval_sums() -> dict[str, np.ndarray]:
+  """The eval step's sums at zero, on the host (place them on the mesh)."""
+  return {
+    "loss_sum": np.zeros([], np.float32),
+    "correct": np.zeros([], np.int32),
+    "count": np.zeros([], np.int32),
+  }
 
-  The sums are ``loss_sum``, ``correct`` and ``count`` over the rows where
-  ``mask`` is true (the padding of the last batch is not counted).
+
+def make_eval_step(model: models.ResNet, *, compute_dtype: Any):
+  """Returns ``eval_step(state, images, labels, mask, sums) -> sums``.
+
+  Adds the batch's ``loss_sum``, ``correct`` and ``count`` over the rows
+  where ``mask`` is true (the padding of the last batch is not counted) to
+  ``sums`` (`zero_eval_sums`), which stay on the devices from batch to
+  batch: the host fetches them once, after the last batch.
   """
 
-  def eval_step(state: TrainState, images, labels, mask):
+  def eval_step(state: TrainState, images, labels, mask, sums):
     logits = model.apply(
       {"params": state.params, "batch_stats": state.batch_stats},
       images.astype(compute_dtype),
       train=False,
     )
-    mask = mask.astype(jnp.float32)
+    mask = mask.astype(bool)
+    loss = jnp.where(mask, cross_entropy(logits, labels), 0.0)
+    hit = jnp.logical_and(mask, jnp.argmax(logits, -1) == labels)
     return {
-      "loss_sum": jnp.sum(cross_entropy(logits, labels) * mask),
-      "correct": jnp.sum((jnp.argmax(logits, -1) == labels) * mask),
-      "count": jnp.sum(mask),
+      "loss_sum": sums["loss_sum"] + jnp.sum(loss),
+      "correct": sums["correct"] + jnp.sum(hit, dtype=jnp.int32),
+      "count": sums["count"] + jnp.sum(mask, dtype=jnp.int32),
     }
 
   return eval_step

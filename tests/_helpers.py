@@ -336,8 +336,15 @@ def distributed_main(spec_path: str, process_id: int) -> None:
   sys.path.insert(0, TESTS)
   sys.path.insert(0, ROOT)
   # pylint: disable=g-import-not-at-top
-  from cifar_train import loop
   from cifar_train import mesh
+
+  if spec.get("check") == "to_host":
+    mesh.initialize_distributed(
+      spec["coordinator_address"], spec["num_processes"], process_id
+    )
+    _print_host_reads(process_id)
+    return
+  from cifar_train import loop
 
   for j, overrides in enumerate(spec["jobs"]):
     config = tiny_config(spec["data_dir"], **overrides)
@@ -351,6 +358,43 @@ def distributed_main(spec_path: str, process_id: int) -> None:
       f"{summary['params_fingerprint']}",
       flush=True,
     )
+
+
+def _print_host_reads(process_id: int) -> None:
+  """Prints what `mesh.to_host` and the fingerprint read of global arrays.
+
+  ``x`` (8 x 4, values 0..31) is sharded over every device of every
+  process, so each process holds only its rows; ``r`` is replicated.
+  """
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from cifar_train import mesh
+  from cifar_train import steps
+
+  devices = Mesh(np.asarray(jax.devices()), ("data",))
+  x = np.arange(32, dtype=np.float32).reshape(8, 4)
+  sharded = jax.make_array_from_callback(
+    x.shape, NamedSharding(devices, P("data")), lambda index: x[index]
+  )
+  replicated = jax.make_array_from_callback(
+    x.shape, NamedSharding(devices, P()), lambda index: x[index]
+  )
+  assert not sharded.is_fully_addressable
+  host = mesh.to_host({"x": sharded, "r": replicated})
+  state = steps.TrainState(
+    step=np.int32(0),
+    params={"w": sharded},
+    batch_stats={},
+    opt_state={},
+    rng=np.zeros(2, np.uint32),
+  )
+  print(
+    f"process {process_id} x {host['x'].ravel().tolist()} "
+    f"r {host['r'].ravel().tolist()} "
+    f"fingerprint {steps.state_fingerprint(state)}",
+    flush=True,
+  )
 
 
 def free_port() -> int:

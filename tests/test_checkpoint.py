@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 
+import orbax.checkpoint as ocp
 import pytest
 
 from _helpers import TMP_MARK, read_log, run_driver
@@ -88,8 +89,12 @@ def test_killed_and_failed_saves_resume_exactly(data_dir, tmp_path):
         ],
       )
     jobs.append(job)
+  # A guard against a hung child, not a speed limit: 7 jobs of ~30 s of CPU
+  # each on a loaded 2-core machine.
   results = run_driver(
-    {"data_dir": data_dir, "jobs": jobs}, str(tmp_path / "spec.json")
+    {"data_dir": data_dir, "jobs": jobs},
+    str(tmp_path / "spec.json"),
+    timeout=1200,
   )
   logs = [read_log(job) for job in jobs]
   fingerprint = lambda log: re.findall(r"^fingerprint (\w+)$", log, re.M)
@@ -171,47 +176,156 @@ def _template(make_config, data_dir):
   return steps.create_train_state(model, optimizer, (32, 32, 3), seed=0)
 
 
-def test_truncated_checkpoint_falls_back(
-  make_config, data_dir, tiny_data, tmp_path, capsys
-):
-  workdir = str(tmp_path / "run")
+@pytest.fixture(scope="module")
+def trained(make_config, data_dir, tiny_data, tmp_path_factory):
+  """A workdir with checkpoints 2 and 4 of the tiny job (keep 3)."""
+  workdir = str(tmp_path_factory.mktemp("trained") / "run")
   config = make_config(data_dir, num_train_steps=4, keep_checkpoints=3)
   loop.train_and_evaluate(config, workdir, data=tiny_data)
+  return workdir
+
+
+@pytest.fixture
+def workdir(trained, tmp_path):
+  """A fresh copy of `trained`'s workdir."""
+  path = str(tmp_path / "run")
+  shutil.copytree(trained, path)
+  return path
+
+
+def _tree(workdir):
+  """Every file under ``workdir``'s checkpoint folders, with its size."""
+  return {
+    os.path.relpath(p, workdir): os.path.getsize(p)
+    for p in glob.glob(
+      os.path.join(workdir, "*checkpoints", "**"), recursive=True
+    )
+    if os.path.isfile(p)
+  }
+
+
+def _truncate(paths):
+  assert paths
+  for path in paths:
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize(
+  "damage",
+  [
+    "array data",  # TensorStore: OUT_OF_RANGE, the byte range is not there.
+    "array metadata",  # The state's _METADATA: JSON that does not parse.
+    "missing record",  # meta/metadata: FileNotFoundError.
+  ],
+)
+def test_corrupt_checkpoint_falls_back_and_is_set_aside(
+  damage, make_config, data_dir, workdir, capsys
+):
   newest = os.path.join(workdir, "checkpoints", "4")
-  for path in glob.glob(
-    os.path.join(newest, "state", "**", "*"), recursive=True
-  ):
-    if os.path.isfile(path) and os.path.getsize(path) > 100:
-      with open(path, "r+b") as f:
-        f.truncate(10)
+  if damage == "array data":
+    _truncate(
+      glob.glob(os.path.join(newest, "state", "ocdbt.process_0", "d", "*"))
+    )
+  elif damage == "array metadata":
+    _truncate([os.path.join(newest, "state", "_METADATA")])
+  else:
+    os.remove(os.path.join(newest, "meta", "metadata"))
   template = _template(make_config, data_dir)
   manager = checkpoint.create_manager(workdir, keep=3)
   state, path = checkpoint.restore_latest(manager, template)
-  assert path.endswith(os.path.join("checkpoints", "2"))
+  manager.close()
+  assert path == os.path.join(workdir, "checkpoints", "2")
   assert int(state.step) == 2
-  assert "checkpoints/4 is unusable" in capsys.readouterr().out
-  # The unusable checkpoint was set aside; put it back as the only one left.
+  out = capsys.readouterr().out
+  assert f"checkpoint {newest} is unusable" in out, out
+  assert os.listdir(os.path.join(workdir, "unusable_checkpoints")) == ["4"]
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == ["2"]
+  # The unusable checkpoint, put back as the only one left: no fallback.
   os.replace(os.path.join(workdir, "unusable_checkpoints", "4"), newest)
   shutil.rmtree(os.path.join(workdir, "checkpoints", "2"))
   manager = checkpoint.create_manager(workdir, keep=3)
   with pytest.raises(CheckpointError, match="checkpoints/4"):
     checkpoint.restore_latest(manager, template)
+  manager.close()
+
+
+@pytest.mark.parametrize(
+  "error",
+  [
+    OSError(errno.EIO, os.strerror(errno.EIO)),
+    TimeoutError("reading took too long"),
+    TypeError("a bug in the restore"),
+  ],
+  ids=["EIO", "timeout", "bug"],
+)
+def test_transient_and_code_errors_stop_and_move_nothing(
+  error, make_config, data_dir, workdir, monkeypatch, capsys
+):
+  before = _tree(workdir)
+  newest = os.path.join(workdir, "checkpoints", "4")
+  read = ocp.JsonCheckpointHandler.restore
+
+  def failing_read(self, directory, *args, **kwargs):
+    if str(directory).startswith(newest):
+      raise error
+    return read(self, directory, *args, **kwargs)
+
+  manager = checkpoint.create_manager(workdir, keep=3)
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, "restore", failing_read)
+  template = _template(make_config, data_dir)
+  with pytest.raises(type(error)) as raised:
+    checkpoint.restore_latest(manager, template)
+  manager.close()
+  assert raised.value is error  # Its class, message and traceback.
+  assert any(newest in note for note in raised.value.__notes__)
+  assert "unusable" not in capsys.readouterr().out
+  assert _tree(workdir) == before  # Nothing moved, deleted or written.
+  assert not os.path.exists(os.path.join(workdir, "unusable_checkpoints"))
+
+
+def test_corruption_is_told_from_io_errors():
+  def chained(outer, inner):
+    try:
+      try:
+        raise inner
+      except BaseException as e:
+        raise outer from e
+    except BaseException as e:  # pylint: disable=broad-except
+      return e
+
+  truncated = ValueError(
+    'OUT_OF_RANGE: Error reading "leaf_0000/0": Requested byte range '
+    "[0, 2291) is not valid for value of size 1278"
+  )
+  assert checkpoint.corruption(chained(Exception("reading"), truncated)) is (
+    truncated
+  )
+  missing = FileNotFoundError("File meta/metadata not found.")
+  assert checkpoint.corruption(missing) is missing
+  # TensorStore's report of an I/O error, and any OSError in the chain.
+  io = ValueError("UNKNOWN: Error reading: [OS error 5: Input/output error]")
+  assert checkpoint.corruption(io) is None
+  eio = OSError(errno.EIO, "Input/output error")
+  assert checkpoint.corruption(chained(truncated, eio)) is None
+  assert checkpoint.corruption(ValueError("UNAVAILABLE: retry")) is None
+  assert checkpoint.corruption(KeyError("leaf_0000")) is None
 
 
 def test_checkpoint_shape_mismatch_names_the_leaf(
-  make_config, data_dir, tiny_data, tmp_path
+  make_config, data_dir, tiny_data, workdir
 ):
-  workdir = str(tmp_path / "run")
-  loop.train_and_evaluate(
-    make_config(data_dir, num_train_steps=2), workdir, data=tiny_data
-  )
+  before = _tree(workdir)
   with pytest.raises(
     CheckpointError,
     match=r"does not match the config at \.params\['bn1'\]\['bias'\]: stored shape \(4,\), config shape \(8,\)",
   ):
     loop.train_and_evaluate(
-      make_config(data_dir, num_filters=8), workdir, data=tiny_data
+      make_config(data_dir, num_filters=8, keep_checkpoints=3),
+      workdir,
+      data=tiny_data,
     )
+  assert _tree(workdir) == before
 
 
 @pytest.mark.parametrize(

@@ -111,3 +111,64 @@ def test_only_user_errors_become_one_line(monkeypatch, capsys):
   monkeypatch.setattr(loop, "train", bug)
   with pytest.raises(KeyError):
     cli.run(default.get_config(), "/tmp/unused")
+
+
+def test_the_config_file_is_executed_once(tmp_path):
+  runs = tmp_path / "runs.txt"
+  config = tmp_path / "counted.py"
+  config.write_text(
+    "from configs import smoke\n"
+    f"with open({str(runs)!r}, 'a') as f:\n"
+    "  f.write('ran\\n')\n"
+    "get_config = smoke.get_config\n"
+  )
+  for args in (
+    ["--config.policy=O9"],  # Rejected by settings.resolve.
+    ["--config.polcy=O2"],  # An unknown key.
+    ["--config.batch_size=abc"],  # A value of the wrong type.
+    ["--config.policy.x=1"],  # A field of a key that has none.
+  ):
+    runs.write_text("")
+    line = _one_error_line(
+      _train_py(
+        "--config", str(config), "--workdir", str(tmp_path / "w"), *args
+      )
+    )
+    assert runs.read_text() == "ran\n", (args, line)
+  assert line == "error: config key 'policy' has no field 'x'"
+
+
+def test_reuse_host_memory_goes_through_settings(monkeypatch):
+  from cifar_train import loop
+  from cifar_train import startup
+
+  calls, trained = [], []
+  monkeypatch.setattr(
+    startup, "keep_freed_host_memory", lambda: calls.append(1)
+  )
+  monkeypatch.setattr(loop, "train", lambda s, *a, **k: trained.append(s))
+  config = default.get_config()
+  assert cli.run(config, "/tmp/unused") == 0 and calls == []
+  config.reuse_host_memory = True
+  assert cli.run(config, "/tmp/unused") == 0 and calls == [1]
+  assert [s.reuse_host_memory for s in trained] == [False, True]
+
+
+def test_init_from_errors_keep_their_class(tmp_path, monkeypatch):
+  from jaxmp import models
+
+  from cifar_train import errors
+  from cifar_train import steps
+
+  damaged = tmp_path / "weights.npz"
+  damaged.write_bytes(b"PK\x03\x04 not a zip archive")
+  args = dict(model_name="resnet18", num_classes=10, num_filters=4)
+  with pytest.raises(errors.ConfigError, match="init_from .*weights.npz"):
+    steps.load_torch_weights(str(damaged), **args)
+
+  def bug(path):
+    raise KeyError("a bug in the reader")
+
+  monkeypatch.setattr(models, "read_state_dict", bug)
+  with pytest.raises(KeyError, match="a bug in the reader"):
+    steps.load_torch_weights(str(damaged), **args)

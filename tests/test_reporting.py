@@ -1,7 +1,9 @@
 """Tests for cifar_train.reporting: log-step records, skip lines, plots."""
 
 import json
-import os
+
+import numpy as np
+import PIL.Image
 
 from cifar_train import reporting
 
@@ -83,4 +85,9 @@ def test_plot_has_a_train_point_per_log_step_and_marks_skips(tmp_path):
   assert series["test_loss"] == ([8], [2.4])
   assert series["skipped"][0] == [5]
   writer.plot()
-  assert os.path.getsize(tmp_path / "plots.png") > 0
+  with PIL.Image.open(tmp_path / "plots.png") as image:
+    assert image.size == (1170, 324)  # 13 x 3.6 inches at 90 dpi.
+    pixels = np.asarray(image.convert("RGB")).reshape(-1, 3).astype(int)
+  # The skipped step's marker is pure red ("rx"); nothing else is.
+  red = (pixels[:, 0] > 200) & (pixels[:, 1] < 60) & (pixels[:, 2] < 60)
+  assert red.sum() > 10

@@ -159,3 +159,23 @@ def test_autocast_follows_the_preset_and_diagnostics(
   config.diagnostics = diagnostics
   p = settings.resolve(config).precision
   assert p.autocast == autocast and p.autocast_debug == debug
+
+
+def test_every_setting_is_read_by_the_app():
+  # A field that nothing reads is a config key that silently does nothing.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+
+  package = pathlib.Path(settings.__file__).parent
+  code = "".join(
+    p.read_text() for p in package.glob("*.py") if p.name != "settings.py"
+  )
+  # The app names its Settings `s`, `settings` (job.settings) or `resolved`;
+  # the config (`config.x`) does not count.
+  unread = [
+    f.name
+    for f in dataclasses.fields(settings.Settings)
+    if not re.search(rf"\b(s|settings|resolved)\.{f.name}\b", code)
+  ]
+  assert not unread, unread
