@@ -493,6 +493,41 @@ def dynamic_loss_scale(
   )
 
 
+def fake_split(n, num_labels, seed):
+  """``(labels, images)`` of ``n`` random CIFAR-shaped examples."""
+  rng = np.random.default_rng(seed)
+  labels = np.stack(
+    [
+      rng.integers(0, 20 if num_labels == 2 and k == 0 else 10, n)
+      for k in range(num_labels)
+    ],
+    1,
+  ).astype(np.uint8)
+  images = rng.integers(0, 256, (n, 32, 32, 3), np.uint8)
+  return labels, images
+
+
+def place_archive(data_dir, name, n_train=10, n_test=4):
+  """A tiny archive of CIFAR ``name`` in the manual dir; returns the splits."""
+  num_labels = 2 if name == "cifar100" else 1
+  splits = {
+    "train": fake_split(n_train, num_labels, 0),
+    "test": fake_split(n_test, num_labels, 1),
+  }
+  manual = os.path.join(data_dir, "downloads", "manual")
+  os.makedirs(manual, exist_ok=True)
+  from cifar_train import cifar  # pylint: disable=g-import-not-at-top
+
+  archive = cifar.BUILDERS[name](data_dir=data_dir).manual_archive()
+  cifar.write_archive(archive, name, splits["train"], splits["test"])
+  return splits
+
+
+def no_probe(*args, **kwargs):
+  """A stand-in for the network probe that fails if it is called."""
+  raise AssertionError("the network was probed")
+
+
 if __name__ == "__main__":
   if sys.argv[1] == "--distributed":
     distributed_main(sys.argv[2], int(sys.argv[3]))

@@ -16,7 +16,9 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from cifar_train import cifar
+from _helpers import no_probe
+from _helpers import place_archive
+
 from cifar_train import data_sources
 from cifar_train import image_folder
 from cifar_train.errors import ConfigError
@@ -24,37 +26,6 @@ from cifar_train.errors import DatasetUnavailableError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYNTHETIC_EXAMPLES = (120, 40)  # (train, test)
-
-
-def fake_split(n, num_labels, seed):
-  rng = np.random.default_rng(seed)
-  labels = np.stack(
-    [
-      rng.integers(0, 20 if num_labels == 2 and k == 0 else 10, n)
-      for k in range(num_labels)
-    ],
-    1,
-  ).astype(np.uint8)
-  images = rng.integers(0, 256, (n, 32, 32, 3), np.uint8)
-  return labels, images
-
-
-def place_archive(data_dir, name, n_train=10, n_test=4):
-  """A tiny archive of CIFAR ``name`` in the manual dir; returns the splits."""
-  num_labels = 2 if name == "cifar100" else 1
-  splits = {
-    "train": fake_split(n_train, num_labels, 0),
-    "test": fake_split(n_test, num_labels, 1),
-  }
-  manual = os.path.join(data_dir, "downloads", "manual")
-  os.makedirs(manual, exist_ok=True)
-  archive = cifar.BUILDERS[name](data_dir=data_dir).manual_archive()
-  cifar.write_archive(archive, name, splits["train"], splits["test"])
-  return splits
-
-
-def no_probe(*args, **kwargs):
-  raise AssertionError("the network was probed")
 
 
 @pytest.mark.parametrize("name", ["cifar10", "cifar100"])

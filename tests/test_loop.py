@@ -10,9 +10,9 @@ import shutil
 import PIL.Image
 import pytest
 
+from _helpers import no_probe
+from _helpers import place_archive
 from _helpers import read_jsonl
-from test_data_sources import no_probe
-from test_data_sources import place_archive
 
 from cifar_train import checkpoint
 from cifar_train import data_sources
