@@ -185,6 +185,11 @@ _AS_TRACED = frozenset(
 )
 
 _AUTOCAST_MARK = "jaxmp_autocast"
+#: A ``custom_vjp`` whose function name contains this is a normalisation
+#: layer: its outputs shaped like its first (activation) input take that
+#: input's dtype under autocast (``jaxmp.nn.BatchNorm``), as torch's
+#: ``batch_norm`` on cudnn returns its input's dtype.
+NORMALIZATION_MARK = "jaxmp_normalization"
 _NO_AUTOCAST_MARK = "jaxmp_no_autocast"
 
 
@@ -341,20 +346,29 @@ class _Interpreter:
       if floats and all(only[i] for i in floats):
         for i in floats:
           args[i] = _cast(args[i], self.dtype)
+    out_dtypes_of, res_dtypes_of = list, None
+    if not self.natural and NORMALIZATION_MARK in ji.rule_name(eqn):
+      nc = ji.params(eqn)["num_consts"]
+      out_dtypes_of, res_dtypes_of = _normalization(call, avals[nc:], args[nc:])
     ct_dtypes = None
     if [jnp.dtype(x.dtype) for x in args] != [
       jnp.dtype(a.dtype) for a in avals
     ]:
       # The cotangents the user's bwd rule expects: the output dtypes plain
-      # JAX computes from the dtypes the inputs now have.
+      # JAX computes from the dtypes the inputs now have (a normalisation
+      # layer's output cotangent in its output's dtype).
       natural = _Interpreter(self.dtype, natural=True)
-      ct_dtypes = [
-        a.dtype
-        for a in ji.trace(
-          lambda *a: natural.run(call, a), [ji.typeof(x) for x in args]
-        ).out_avals
-      ]
-    return ji.run_custom_vjp(eqn, args, self._body(inweak), list, ct_dtypes)
+      ct_dtypes = out_dtypes_of(
+        [
+          a.dtype
+          for a in ji.trace(
+            lambda *a: natural.run(call, a), [ji.typeof(x) for x in args]
+          ).out_avals
+        ]
+      )
+    return ji.run_custom_vjp(
+      eqn, args, self._body(inweak), out_dtypes_of, ct_dtypes, res_dtypes_of
+    )
 
   def _first_order(self, eqn, invals, inweak):
     avals = ji.in_avals(eqn)
@@ -385,6 +399,43 @@ class _Interpreter:
     for i in idx:
       args[i] = _cast(args[i], target)
     return ji.bind(eqn, args, **updates)
+
+
+def _normalization(call, avals, args):
+  """Output and residual dtypes of a normalisation layer's ``custom_vjp``.
+
+  The activation inputs are the float inputs shaped like the first one (the
+  input and, for BatchNorm + residual add, the residual); per-channel inputs
+  (scale, bias) are not. Outputs shaped like the activation take the widest
+  dtype of the activation inputs as they now are (half after a convolution);
+  the others (batch statistics) keep the dtype the rule computes (fp32).
+  Residuals shaped like the activation are saved in that dtype when the rule
+  computed them wider (e.g. BatchNorm+ReLU's output, whose sign is the mask).
+  """
+  shape = tuple(avals[0].shape)
+
+  def act(a) -> bool:
+    return tuple(a.shape) == shape and _castable(a.dtype)
+
+  target = _widest(x.dtype for x, a in zip(args, avals) if act(a))
+  out_act = [act(a) for a in ji.jaxpr_out_avals(call)]
+  if target is None:
+    return list, None
+
+  def out_dtypes_of(dtypes):
+    return [
+      target if (a and _castable(d)) else d for d, a in zip(dtypes, out_act)
+    ]
+
+  def res_dtypes_of(res):
+    return [
+      target
+      if act(r) and jnp.promote_types(r.dtype, target) == r.dtype
+      else r.dtype
+      for r in res
+    ]
+
+  return out_dtypes_of, res_dtypes_of
 
 
 def _as_traced(eqn, invals):

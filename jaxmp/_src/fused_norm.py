@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype
 
+from jaxmp._src.autocast import NORMALIZATION_MARK
+
 Dtype = Any
 Initializer = Callable[..., jax.Array]
 
@@ -97,7 +99,6 @@ def _pre_activation(xf, mean, rstd, scale, bias, residual):
   return y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
 def _fused_train(
   x,
   scale,
@@ -188,6 +189,13 @@ def _fused_train_bwd(
   )
 
 
+# Under jaxmp.autocast, a custom_vjp named with NORMALIZATION_MARK returns its
+# activation input's dtype (half after a half convolution; the statistics
+# still in fp32), as torch's batch_norm on cudnn does.
+_fused_train.__name__ = _fused_train.__qualname__ = (
+  f"{NORMALIZATION_MARK}_batch_norm"
+)
+_fused_train = jax.custom_vjp(_fused_train, nondiff_argnums=(4, 5, 6, 7, 8, 9))
 _fused_train.defvjp(_fused_train_fwd, _fused_train_bwd)
 
 
