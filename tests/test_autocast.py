@@ -933,11 +933,14 @@ def _saved_bytes(f, *args):
   return out
 
 
-def test_conv_bn_relu_add_block_saves_half_residuals():
+@pytest.mark.parametrize("fused", [False, True])
+def test_conv_bn_relu_add_block_saves_half_residuals(fused):
   nn = pytest.importorskip("flax.linen")
   jnn = pytest.importorskip("jaxmp.nn")
 
   class Block(nn.Module):
+    """Stem conv-BN-ReLU; conv-BN-ReLU, conv-BN, + skip, ReLU; conv."""
+
     dtype: Any = None
 
     @nn.compact
@@ -948,9 +951,13 @@ def test_conv_bn_relu_add_block_saves_half_residuals():
       bn = functools.partial(
         jnn.BatchNorm, use_running_average=False, dtype=self.dtype
       )
-      x = nn.relu(bn()(conv()(x)))  # stem: the skip input is half too
+      x = nn.relu(bn()(conv()(x)))  # the skip input is half too
       h = nn.relu(bn()(conv()(x)))
-      return nn.relu(bn()(conv()(h)) + x)
+      if fused:  # as jaxmp.models does: the add and ReLU inside BatchNorm
+        y = bn()(conv()(h), residual=x, relu=True)
+      else:
+        y = nn.relu(bn()(conv()(h)) + x)
+      return conv()(y)  # the next block's conv saves y too: once, in half
 
   x = jnp.linspace(-1, 1, 2 * 4 * 4 * 3).reshape(2, 4, 4, 3)
   auto, hand = Block(), Block(dtype=F16)
