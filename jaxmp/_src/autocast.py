@@ -31,6 +31,19 @@ cumulative ops      ``cumsum``, ``cumprod``,         ``prod``, ``cumsum``,  ``su
                                                      norm, every loss       layer/group norm,       run in fp32, so they compute in fp32 as
                                                                             every loss,             in Apex and torch, and their pointwise
                                                                             ``logsumexp``           tails follow (widest input).
+input's dtype:      a ``custom_vjp`` whose function  unlisted: cudnn's      unlisted:               same as torch. The rule is fused, so it
+normalisation       name holds ``jaxmp_normaliz-     ``batch_norm`` takes a ``batch_norm`` on cudnn sees the whole layer, where the widest-
+layers of           ation`` (``jaxmp.nn.Batch-       half input with fp32   returns its input's     input row would see ``half - fp32 mean``
+``jaxmp.nn``        Norm`` in train mode): outputs   weights and returns    dtype; its statistics   and return fp32 (and the residual add and
+(statistics fp32)   shaped like its input take the   half (Apex: "correctly and weight gradients    ReLU after it would run and be saved in
+                    widest dtype of the inputs of    handles fp16 in/out    are fp32                fp32). Flax's ``nn.BatchNorm`` is a
+                    that shape (input, residual);    with fp32 weights")                            composition of primitives with no such
+                    mean/var stay fp32                                                              marker: it follows the widest-input row
+                                                                                                    (fp32 out for fp32 scale/bias). To get
+                                                                                                    torch's behaviour, use ``jaxmp.nn.Batch-
+                                                                                                    Norm`` (same variables, a drop-in). Its
+                                                                                                    residuals shaped like the input are saved
+                                                                                                    in that dtype; weight gradients are fp32.
 widest input dtype  every other floating op          promote: ``add``,      promote: ``cat``,       the same default as torch ("unlisted ops
 (half stays half,   (``add``, ``mul``, ``max``,      ``mul``, ``div``,      ``stack``, ``atan2``,   are numerically stable in fp16"). Apex
 half + fp32 is      ``select_n``, ``tanh``,          ``cat``, ``stack``,    ``addcmul``, ``index_   lists ``gelu``, ``softplus`` and
@@ -59,8 +72,14 @@ are rewritten; the bwd rule is called on the residuals the fwd rule now saves
 and on cotangents in the dtype plain JAX would give its outputs, and its
 operations are rewritten too (as torch's ``custom_bwd``). A ``custom_vjp``
 whose float inputs only feed matrix products (``jaxmp.nn``'s convolution) gets
-them cast to ``dtype`` at its boundary, so it saves them in half;
-``jaxmp.nn.BatchNorm`` saves its (half) input for its backward pass. Other
+them cast to ``dtype`` at its boundary, so it saves them in half.
+``jaxmp.nn.BatchNorm``'s ``custom_vjp`` is a normalisation rule (the row
+above): it returns, and saves for its backward pass, activations in its
+input's dtype (half after a half convolution), so the residual adds and ReLUs
+after it run and are saved in half, as in torch's O1 ResNet; its fp32
+``batch_stats`` and the fp32 gradients of its scale and bias are unchanged.
+Its eval mode (``use_running_average``) is no ``custom_vjp`` and follows the
+widest-input row (fp32 out). Other
 primitives with bodies (``reduce`` with a custom computation, ``scatter-add``
 and its kin), bitcasts and callbacks run at their traced dtypes.
 

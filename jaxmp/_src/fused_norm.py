@@ -27,6 +27,11 @@ where sums and means run over every axis but the last (``mean`` is
 Flax module with the same arguments, parameters (``scale``, ``bias``),
 ``batch_stats`` (``mean``, ``var``) and output dtype as
 ``flax.linen.BatchNorm``, so the two are interchangeable.
+
+Under :func:`jaxmp.autocast`, the train-mode ``custom_vjp`` is a
+normalisation rule (its function name holds ``NORMALIZATION_MARK``): its
+output takes the dtype of its input (half after a half convolution) while its
+statistics stay float32, as torch's ``batch_norm`` on cudnn does.
 """
 
 import functools
@@ -308,7 +313,9 @@ class FusedBatchNorm(nn.Module):
   from a float64 input under x64 makes them float64), updated
   as ``momentum * old + (1 - momentum) * new`` (not during ``init``); output
   in ``dtype``, by default the promoted dtype of the input and the used
-  parameters (float16 input with float32 parameters gives float32).
+  parameters (float16 input with float32 parameters gives float32). Under
+  :func:`jaxmp.autocast` the train-mode output instead takes the dtype of
+  ``x`` (and ``residual``), as torch's ``batch_norm`` does under autocast.
 
   Attributes:
     use_running_average: If True, normalise with the running statistics;
