@@ -857,6 +857,9 @@ def test_jaxmp_batchnorm_returns_its_input_dtype(dtype):
   )
   v = bn.init(jax.random.key(0), x.astype(F32))
   apply = functools.partial(bn.apply, mutable=["batch_stats"])
+  # Its custom_vjp carries the marker the interpreter reads.
+  rules = eqns(jax.make_jaxpr(apply)(v, x), "custom_vjp_call")
+  assert [ac.NORMALIZATION_MARK in ji.rule_name(e) for e in rules] == [True]
   y, upd = jaxmp.autocast(apply, dtype)(v, x)
   assert y.dtype == dtype
   assert {a.dtype for a in jax.tree.leaves(upd)} == {jnp.dtype(F32)}
