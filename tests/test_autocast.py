@@ -7,6 +7,7 @@ fp16, 2**-8 for bf16) times the magnitude and count of what is summed.
 
 import functools
 import logging
+from typing import Any
 
 import jax
 from jax import lax
@@ -827,6 +828,154 @@ def test_jaxmp_batchnorm_keeps_its_half_backward():
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g32)):
     assert a.dtype == F32 and a.shape == b.shape
     assert np.isfinite(np.asarray(a)).all()
+
+
+# ---------------------------------------------------------------------------
+# Normalisation layers of jaxmp.nn: output in the input's dtype (torch's
+# batch_norm on cudnn), statistics in fp32.
+
+
+def _bn_stats_tol(x64, n):
+  """Bound on |BatchNorm(x) - ref| from fp32 statistics over ``n`` values.
+
+  Mean and E[x^2] are sums of ``n`` fp32 terms (relative error at most
+  (n + 3) * 2**-24 each), so ``rstd`` and ``x - mean`` carry at most a few
+  times that, relative to ``|x| + |mean|``; ``x64`` is the float64 input.
+  """
+  mean = x64.mean(axis=(0, 1, 2))
+  rstd = 1 / np.sqrt(x64.var(axis=(0, 1, 2)) + 1e-5)
+  return 4 * (n + 3) * 2.0**-24 * (np.abs(x64) + np.abs(mean)) * rstd
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_jaxmp_batchnorm_returns_its_input_dtype(dtype):
+  jnn = pytest.importorskip("jaxmp.nn")
+  nn = pytest.importorskip("flax.linen")
+  bn = jnn.BatchNorm(use_running_average=False, momentum=0.5)
+  x = (jnp.linspace(-3, 5, 2 * 3 * 3 * 4).reshape(2, 3, 3, 4) ** 2).astype(
+    dtype
+  )
+  v = bn.init(jax.random.key(0), x.astype(F32))
+  apply = functools.partial(bn.apply, mutable=["batch_stats"])
+  # Its custom_vjp carries the marker the interpreter reads.
+  rules = eqns(jax.make_jaxpr(apply)(v, x), "custom_vjp_call")
+  assert [ac.NORMALIZATION_MARK in ji.rule_name(e) for e in rules] == [True]
+  y, upd = jaxmp.autocast(apply, dtype)(v, x)
+  assert y.dtype == dtype
+  assert {a.dtype for a in jax.tree.leaves(upd)} == {jnp.dtype(F32)}
+  # Against fp32 BatchNorm of the same (half-valued) input: the output is
+  # rounded once to ``dtype``; the statistics are fp32 sums of n = 18 terms.
+  x32 = x.astype(F32)
+  ref, ref_upd = apply(v, x32)
+  x64 = np.asarray(x32, np.float64)
+  tol = U[jnp.dtype(dtype)] * np.abs(ref) + _bn_stats_tol(x64, 18)
+  assert_within(y, ref, tol)
+  for a, b in zip(jax.tree.leaves(upd), jax.tree.leaves(ref_upd)):
+    assert_within(a, b, 4 * 21 * 2.0**-24 * (np.abs(b) + x64.max() ** 2))
+  # An fp32 input (no half product before it) stays fp32, as in torch.
+  y32, _ = jaxmp.autocast(apply, dtype)(v, x32)
+  assert y32.dtype == F32
+  assert_within(y32, ref, _bn_stats_tol(x64, 18))
+  # Flax's own BatchNorm is a composition of primitives: fp32 scale/bias
+  # widen its output (the widest-input row).
+  fbn = nn.BatchNorm(use_running_average=False)
+  fv = fbn.init(jax.random.key(0), x32)
+  fy, _ = jaxmp.autocast(fbn.apply, dtype)(fv, x, mutable=["batch_stats"])
+  assert fy.dtype == F32
+
+
+def test_jaxmp_batchnorm_grads_under_autocast():
+  jnn = pytest.importorskip("jaxmp.nn")
+  bn = jnn.BatchNorm(use_running_average=False)
+  x = (jnp.linspace(-3, 5, 2 * 3 * 3 * 4).reshape(2, 3, 3, 4) ** 2).astype(F16)
+  c = jnp.linspace(-1, 1, x.size, dtype=F32).reshape(x.shape) ** 3
+  v = bn.init(jax.random.key(0), x.astype(F32))
+
+  def loss(apply):
+    def f(p, x):
+      y, _ = apply({**v, "params": p}, x, mutable=["batch_stats"])
+      return jnp.sum(y.astype(F32) * c)
+
+    return f
+
+  g, gx = jax.grad(loss(jaxmp.autocast(bn.apply)), (0, 1))(v["params"], x)
+  assert {a.dtype for a in jax.tree.leaves(g)} == {jnp.dtype(F32)}
+  assert gx.dtype == F16
+  g32 = jax.grad(loss(bn.apply))(v["params"], x.astype(F32))
+  # d bias = sum(c), d scale = sum(c * x_hat) over n = 18 values per channel;
+  # under autocast the cotangent c reaches the layer rounded to fp16 (the
+  # output is fp16), then the sums run in fp32.
+  x64 = np.asarray(x, np.float64)
+  xhat = (x64 - x64.mean((0, 1, 2))) / np.sqrt(x64.var((0, 1, 2)) + 1e-5)
+  ac = np.abs(np.asarray(c, np.float64))
+  per_term = U[jnp.dtype(F16)] + 21 * 2.0**-24
+  tol_bias = per_term * ac.sum((0, 1, 2))
+  # (and x_hat itself carries the fp32 statistics' error, _bn_stats_tol)
+  tol_scale = (per_term * ac * np.abs(xhat) + ac * _bn_stats_tol(x64, 18)).sum(
+    (0, 1, 2)
+  )
+  assert_within(g["bias"], g32["bias"], tol_bias)
+  assert_within(g["scale"], g32["scale"], tol_scale)
+
+
+def _saved_bytes(f, *args):
+  """Bytes of each distinct residual ``jax.vjp(f, *args)`` keeps, by dtype."""
+  closed, shape = jax.make_jaxpr(lambda *a: jax.vjp(f, *a), return_shape=True)(
+    *args
+  )
+  j = closed.jaxpr
+  n = len(jax.tree.leaves(shape[1]))
+  seen, out = set(), {}
+  for v in j.outvars[len(j.outvars) - n :]:
+    if not hasattr(v, "val"):
+      if v in seen or v in j.invars:
+        continue
+      seen.add(v)
+    d = str(v.aval.dtype)
+    out[d] = out.get(d, 0) + v.aval.size * jnp.dtype(v.aval.dtype).itemsize
+  return out
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_conv_bn_relu_add_block_saves_half_residuals(fused):
+  nn = pytest.importorskip("flax.linen")
+  jnn = pytest.importorskip("jaxmp.nn")
+
+  class Block(nn.Module):
+    """Stem conv-BN-ReLU; conv-BN-ReLU, conv-BN, + skip, ReLU; conv."""
+
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+      conv = functools.partial(
+        nn.Conv, 4, (3, 3), use_bias=False, dtype=self.dtype
+      )
+      bn = functools.partial(
+        jnn.BatchNorm, use_running_average=False, dtype=self.dtype
+      )
+      x = nn.relu(bn()(conv()(x)))  # the skip input is half too
+      h = nn.relu(bn()(conv()(x)))
+      if fused:  # as jaxmp.models does: the add and ReLU inside BatchNorm
+        y = bn()(conv()(h), residual=x, relu=True)
+      else:
+        y = nn.relu(bn()(conv()(h)) + x)
+      return conv()(y)  # the next block's conv saves y too: once, in half
+
+  x = jnp.linspace(-1, 1, 2 * 4 * 4 * 3).reshape(2, 4, 4, 3)
+  auto, hand = Block(), Block(dtype=F16)
+  v = auto.init(jax.random.key(0), x)
+
+  def run(m, x):
+    return lambda p: m.apply({**v, "params": p}, x, mutable=["batch_stats"])[0]
+
+  fa = jaxmp.autocast(run(auto, x))
+  assert fa(v["params"]).dtype == F16
+  got = _saved_bytes(fa, v["params"])
+  want = _saved_bytes(run(hand, x.astype(F16)), v["params"])
+  # fp32 residuals: only per-channel vectors (mean, rstd, scale, bias).
+  assert got.get("float32", 0) <= 3 * 4 * 4 * 4, got
+  assert sum(got.values()) <= sum(want.values()), (got, want)
 
 
 # ---------------------------------------------------------------------------

@@ -14,8 +14,10 @@ The surface:
 * :func:`trace` (a function and input types to a ``ClosedJaxpr``),
   :func:`evaluate` (re-runs a jaxpr, handing each equation to a callback),
   :func:`bind` (binds an equation's primitive again);
-* :func:`kind` (which higher-order primitive an equation is, if any) and
-  :func:`call_name` (the ``name`` of a ``jit``, the marker of regions);
+* :func:`kind` (which higher-order primitive an equation is, if any),
+  :func:`call_name` (the ``name`` of a ``jit``, the marker of regions) and
+  :func:`rule_name` (the Python name of a ``custom_vjp``/``custom_jvp``
+  function, the marker of normalisation rules);
 * ``run_*``: re-emit one higher-order equation with its bodies evaluated by
   a callback, through the public ``jax.lax``/``jax.shard_map`` API where it
   exists (``scan``, ``while``, ``cond``, ``remat``, ``shard_map``) and by
@@ -212,6 +214,23 @@ def kind(eqn: Eqn) -> Optional[str]:
 def call_name(eqn: Eqn) -> str:
   """The ``name`` param of a ``jit`` equation (``""`` for others)."""
   return str(eqn.params.get("name", "")) if kind(eqn) == "jit" else ""
+
+
+def rule_name(eqn: Eqn) -> str:
+  """The name of the function of a ``custom_vjp``/``custom_jvp`` (else ``""``).
+
+  Read from the debug info of its traced primal (``"_f at file.py:3"`` on
+  jax 0.10, ``func_name`` where jax has it).
+  """
+  if kind(eqn) not in ("custom_vjp", "custom_jvp"):
+    return ""
+  info = getattr(closed(eqn.params["call_jaxpr"]).jaxpr, "debug_info", None)
+  if info is None:
+    return ""
+  name = getattr(info, "func_name", None)
+  if not name:
+    name = str(getattr(info, "func_src_info", "") or "").split(" ")[0]
+  return str(name)
 
 
 def _cast(x, dtype):
@@ -425,6 +444,7 @@ def run_custom_vjp(
   body: Body,
   out_dtypes_of: Callable[[list], list],
   ct_dtypes: Optional[Sequence[Any]] = None,
+  res_dtypes_of: Optional[Callable[[list], list]] = None,
 ) -> list:
   """Re-binds a ``custom_vjp`` whose primal and rules run through ``body``.
 
@@ -443,6 +463,8 @@ def run_custom_vjp(
     body: the evaluator of a ``ClosedJaxpr``.
     out_dtypes_of: maps the dtypes the primal produced to the dtypes to give.
     ct_dtypes: the dtypes of the output cotangents the bwd rule expects.
+    res_dtypes_of: maps the residuals the fwd rule computed to the dtypes
+      to save them in (by default, as computed).
   """
   p = eqn.params
   call_jaxpr = p["call_jaxpr"]
@@ -472,9 +494,22 @@ def run_custom_vjp(
     jaxpr, consts = thunk.call_wrapped(*nonzeros[nconsts:])
     outs = body(ClosedJaxpr(jaxpr, consts), primals)
     nres = len(outs) - nout
-    res, prim_out = outs[:nres], outs[nres:]
+    res, prim_out = list(outs[:nres]), list(outs[nres:])
     target = box.get("dtypes") or out_dtypes_of([o.dtype for o in prim_out])
-    return [*res, *_casts(prim_out, target)]
+    cast_out = _casts(prim_out, target)
+    if res_dtypes_of is not None:
+      # A residual that is also an output (a ReLU's output saved for its
+      # mask) is cast once: the saved value is the returned one.
+      same = {
+        (id(o), np.dtype(d)): c for o, d, c in zip(prim_out, target, cast_out)
+      }
+      res = [
+        same[id(r), np.dtype(d)]
+        if (id(r), np.dtype(d)) in same
+        else _cast(r, d)
+        for r, d in zip(res, res_dtypes_of(res))
+      ]
+    return [*res, *cast_out]
 
   def call_bwd(*a):
     """The user's rule: ``(cotangents, logs, pair)``; logs from jax 0.11."""

@@ -31,6 +31,19 @@ cumulative ops      ``cumsum``, ``cumprod``,         ``prod``, ``cumsum``,  ``su
                                                      norm, every loss       layer/group norm,       run in fp32, so they compute in fp32 as
                                                                             every loss,             in Apex and torch, and their pointwise
                                                                             ``logsumexp``           tails follow (widest input).
+input's dtype:      a ``custom_vjp`` whose function  unlisted: cudnn's      unlisted:               same as torch. The rule is fused, so it
+normalisation       name holds ``jaxmp_normaliz-     ``batch_norm`` takes a ``batch_norm`` on cudnn sees the whole layer, where the widest-
+layers of           ation`` (``jaxmp.nn.Batch-       half input with fp32   returns its input's     input row would see ``half - fp32 mean``
+``jaxmp.nn``        Norm`` in train mode): outputs   weights and returns    dtype; its statistics   and return fp32 (and the residual add and
+(statistics fp32)   shaped like its input take the   half (Apex: "correctly and weight gradients    ReLU after it would run and be saved in
+                    widest dtype of the inputs of    handles fp16 in/out    are fp32                fp32). Flax's ``nn.BatchNorm`` is a
+                    that shape (input, residual);    with fp32 weights")                            composition of primitives with no such
+                    mean/var stay fp32                                                              marker: it follows the widest-input row
+                                                                                                    (fp32 out for fp32 scale/bias). To get
+                                                                                                    torch's behaviour, use ``jaxmp.nn.Batch-
+                                                                                                    Norm`` (same variables, a drop-in). Its
+                                                                                                    residuals shaped like the input are saved
+                                                                                                    in that dtype; weight gradients are fp32.
 widest input dtype  every other floating op          promote: ``add``,      promote: ``cat``,       the same default as torch ("unlisted ops
 (half stays half,   (``add``, ``mul``, ``max``,      ``mul``, ``div``,      ``stack``, ``atan2``,   are numerically stable in fp16"). Apex
 half + fp32 is      ``select_n``, ``tanh``,          ``cat``, ``stack``,    ``addcmul``, ``index_   lists ``gelu``, ``softplus`` and
@@ -59,8 +72,14 @@ are rewritten; the bwd rule is called on the residuals the fwd rule now saves
 and on cotangents in the dtype plain JAX would give its outputs, and its
 operations are rewritten too (as torch's ``custom_bwd``). A ``custom_vjp``
 whose float inputs only feed matrix products (``jaxmp.nn``'s convolution) gets
-them cast to ``dtype`` at its boundary, so it saves them in half;
-``jaxmp.nn.BatchNorm`` saves its (half) input for its backward pass. Other
+them cast to ``dtype`` at its boundary, so it saves them in half.
+``jaxmp.nn.BatchNorm``'s ``custom_vjp`` is a normalisation rule (the row
+above): it returns, and saves for its backward pass, activations in its
+input's dtype (half after a half convolution), so the residual adds and ReLUs
+after it run and are saved in half, as in torch's O1 ResNet; its fp32
+``batch_stats`` and the fp32 gradients of its scale and bias are unchanged.
+Its eval mode (``use_running_average``) is no ``custom_vjp`` and follows the
+widest-input row (fp32 out). Other
 primitives with bodies (``reduce`` with a custom computation, ``scatter-add``
 and its kin), bitcasts and callbacks run at their traced dtypes.
 
@@ -185,6 +204,11 @@ _AS_TRACED = frozenset(
 )
 
 _AUTOCAST_MARK = "jaxmp_autocast"
+#: A ``custom_vjp`` whose function name contains this is a normalisation
+#: layer: its outputs shaped like its first (activation) input take that
+#: input's dtype under autocast (``jaxmp.nn.BatchNorm``), as torch's
+#: ``batch_norm`` on cudnn returns its input's dtype.
+NORMALIZATION_MARK = "jaxmp_normalization"
 _NO_AUTOCAST_MARK = "jaxmp_no_autocast"
 
 
@@ -341,20 +365,29 @@ class _Interpreter:
       if floats and all(only[i] for i in floats):
         for i in floats:
           args[i] = _cast(args[i], self.dtype)
+    out_dtypes_of, res_dtypes_of = list, None
+    if not self.natural and NORMALIZATION_MARK in ji.rule_name(eqn):
+      nc = ji.params(eqn)["num_consts"]
+      out_dtypes_of, res_dtypes_of = _normalization(call, avals[nc:], args[nc:])
     ct_dtypes = None
     if [jnp.dtype(x.dtype) for x in args] != [
       jnp.dtype(a.dtype) for a in avals
     ]:
       # The cotangents the user's bwd rule expects: the output dtypes plain
-      # JAX computes from the dtypes the inputs now have.
+      # JAX computes from the dtypes the inputs now have (a normalisation
+      # layer's output cotangent in its output's dtype).
       natural = _Interpreter(self.dtype, natural=True)
-      ct_dtypes = [
-        a.dtype
-        for a in ji.trace(
-          lambda *a: natural.run(call, a), [ji.typeof(x) for x in args]
-        ).out_avals
-      ]
-    return ji.run_custom_vjp(eqn, args, self._body(inweak), list, ct_dtypes)
+      ct_dtypes = out_dtypes_of(
+        [
+          a.dtype
+          for a in ji.trace(
+            lambda *a: natural.run(call, a), [ji.typeof(x) for x in args]
+          ).out_avals
+        ]
+      )
+    return ji.run_custom_vjp(
+      eqn, args, self._body(inweak), out_dtypes_of, ct_dtypes, res_dtypes_of
+    )
 
   def _first_order(self, eqn, invals, inweak):
     avals = ji.in_avals(eqn)
@@ -385,6 +418,43 @@ class _Interpreter:
     for i in idx:
       args[i] = _cast(args[i], target)
     return ji.bind(eqn, args, **updates)
+
+
+def _normalization(call, avals, args):
+  """Output and residual dtypes of a normalisation layer's ``custom_vjp``.
+
+  The activation inputs are the float inputs shaped like the first one (the
+  input and, for BatchNorm + residual add, the residual); per-channel inputs
+  (scale, bias) are not. Outputs shaped like the activation take the widest
+  dtype of the activation inputs as they now are (half after a convolution);
+  the others (batch statistics) keep the dtype the rule computes (fp32).
+  Residuals shaped like the activation are saved in that dtype when the rule
+  computed them wider (e.g. BatchNorm+ReLU's output, whose sign is the mask).
+  """
+  shape = tuple(avals[0].shape)
+
+  def act(a) -> bool:
+    return tuple(a.shape) == shape and _castable(a.dtype)
+
+  target = _widest(x.dtype for x, a in zip(args, avals) if act(a))
+  out_act = [act(a) for a in ji.jaxpr_out_avals(call)]
+  if target is None:
+    return list, None
+
+  def out_dtypes_of(dtypes):
+    return [
+      target if (a and _castable(d)) else d for d, a in zip(dtypes, out_act)
+    ]
+
+  def res_dtypes_of(res):
+    return [
+      target
+      if act(r) and jnp.promote_types(r.dtype, target) == r.dtype
+      else r.dtype
+      for r in res
+    ]
+
+  return out_dtypes_of, res_dtypes_of
 
 
 def _as_traced(eqn, invals):

@@ -27,6 +27,11 @@ where sums and means run over every axis but the last (``mean`` is
 Flax module with the same arguments, parameters (``scale``, ``bias``),
 ``batch_stats`` (``mean``, ``var``) and output dtype as
 ``flax.linen.BatchNorm``, so the two are interchangeable.
+
+Under :func:`jaxmp.autocast`, the train-mode ``custom_vjp`` is a
+normalisation rule (its function name holds ``NORMALIZATION_MARK``): its
+output takes the dtype of its input (half after a half convolution) while its
+statistics stay float32, as torch's ``batch_norm`` on cudnn does.
 """
 
 import dataclasses
@@ -37,6 +42,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype
+
+from jaxmp._src.autocast import NORMALIZATION_MARK
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -119,7 +126,6 @@ class _Static:
   vmas: tuple[frozenset, ...]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _fused_train(x, scale, bias, residual, static: _Static):
   return _fused_train_fwd(x, scale, bias, residual, static)[0]
 
@@ -184,6 +190,13 @@ def _fused_train_bwd(static: _Static, saved, cotangents):
   )
 
 
+# Under jaxmp.autocast, a custom_vjp named with NORMALIZATION_MARK returns its
+# activation input's dtype (half after a half convolution; the statistics
+# still in fp32), as torch's batch_norm on cudnn does.
+_fused_train.__name__ = _fused_train.__qualname__ = (
+  f"{NORMALIZATION_MARK}_batch_norm"
+)
+_fused_train = jax.custom_vjp(_fused_train, nondiff_argnums=(4,))
 _fused_train.defvjp(_fused_train_fwd, _fused_train_bwd)
 
 
@@ -286,7 +299,9 @@ class FusedBatchNorm(nn.Module):
   from a float64 input under x64 makes them float64), updated
   as ``momentum * old + (1 - momentum) * new`` (not during ``init``); output
   in ``dtype``, by default the promoted dtype of the input and the used
-  parameters (float16 input with float32 parameters gives float32).
+  parameters (float16 input with float32 parameters gives float32). Under
+  :func:`jaxmp.autocast` the train-mode output instead takes the dtype of
+  ``x`` (and ``residual``), as torch's ``batch_norm`` does under autocast.
 
   Attributes:
     use_running_average: If True, normalise with the running statistics;
