@@ -32,8 +32,8 @@ The last line is ``state_bytes_per_param_kahan_over_fp32: X`` for
 SGD-momentum (goal <= 0.85) with the accuracy gap of ``"kahan"`` to
 ``"fp32"`` beside it (goal: within 0.3 points).
 
-Measured (AMD EPYC with AVX-512, 2 cores, 2026-12-03; tables in the
-README): 0.800 bytes ratio; smoke job kahan - fp32 +0.00 pp (seeds 0, 1);
+Measured (AMD EPYC with AVX-512, 2 cores, 2026-12-03; tables in
+docs/guides/master_weights.md): 0.800 bytes ratio; smoke job kahan - fp32 +0.00 pp (seeds 0, 1);
 ``synthetic16`` kahan -0.05, stochastic -0.05, none -0.10 pp against
 99.95% for fp32 (seeds 0, 1; every run 99.7-100%, too easy a job to rank
 the modes).

@@ -9,7 +9,7 @@ main.py): CIFAR-style ResNet18, SGD lr 0.1, momentum 0.9, weight decay 5e-4,
 batch 128, cosine annealing over 200 epochs, random crop (pad 4) + horizontal
 flip, per-channel CIFAR10 normalisation. It reports 95.44% test accuracy for
 ResNet18; this config should reach >= 94% on a GPU. Not measured on a GPU from
-this repository yet (see README, "Performance").
+this repository yet (see docs/performance.md).
 """
 
 import ml_collections
@@ -107,7 +107,7 @@ def get_config() -> ml_collections.ConfigDict:
   # start-up with the host-stream input pipeline. Ignored on GPU and TPU.
   config.reuse_host_memory = False
 
-  # Test and demo knobs (README, "When fp16 goes wrong"); 0 = off. Step K is
+  # Test and demo knobs (docs/guides/diagnostics.md); 0 = off. Step K is
   # the one logged as "Step K".
   config.inject_nan_data_at_step = 0  # NaN images from step K on.
   config.inject_overflow_at_step = 0  # At step K only, one leaf's gradient

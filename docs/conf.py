@@ -40,7 +40,7 @@ extensions = [
   "sphinx.ext.viewcode",
 ]
 
-exclude_patterns = ["_build", "_readme_front_page.md", "**.ipynb_checkpoints"]
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 templates_path = ["_templates"]
 
 # Single backticks in docstrings (`mixed_precision`) are Python references.

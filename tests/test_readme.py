@@ -1,4 +1,10 @@
-"""The README's Python blocks run and print what the README says they print.
+"""The README's Python blocks and the guides' code cells print what they say.
+
+The README's ```` ```python ```` blocks run one by one, each in a fresh
+namespace. Each docs page with ``# ->`` lines runs its ```` ```{code-cell} ````
+cells in order in one fresh namespace, as the docs build's kernel does
+(pages without ``# ->`` lines are left to the strict docs build, which
+executes every cell).
 
 Convention: comment lines ``# -> <text>`` right after a top-level statement
 of a ```` ```python ```` block are the lines that statement prints, in order
@@ -11,6 +17,7 @@ statement prints on any x86-64 CPU, not the digits of one run. Statements withou
 
 import ast
 import contextlib
+import glob
 import io
 import os
 import re
@@ -20,6 +27,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs")
 EXPECTED = re.compile(r"^# -> ?(.*)$")
 NUMBER = r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?"
 
@@ -30,6 +38,26 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
   for m in re.finditer(r"```python\n(.*?)```", text, re.S):
     out.append((text.count("\n", 0, m.start(1)) + 1, m.group(1)))
   return out
+
+
+def page_source(text: str) -> str:
+  """A page's code cells as one program, each line at its line in the page.
+
+  Every other line of the page (prose, fences, cell options) is blank, so
+  line numbers in errors and checks are the page's.
+  """
+  keep = [""] * len(text.splitlines())
+  for m in re.finditer(
+    r"^```\{code-cell\}[^\n]*\n(.*?)^```", text, re.S | re.M
+  ):
+    first = text.count("\n", 0, m.start(1))
+    body = m.group(1).splitlines()
+    if body and body[0].strip() == "---":  # a YAML options header
+      end = body.index("---", 1)
+      body = [""] * (end + 1) + body[end + 1 :]
+    for i, line in enumerate(body):
+      keep[first + i] = "" if re.match(r"^:\w[\w-]*:", line) else line
+  return "\n".join(keep) + "\n"
 
 
 def _line_matches(want: str, got: str) -> bool:
@@ -103,6 +131,22 @@ with open(README) as _f:
   BLOCKS = python_blocks(_f.read())
 
 
+PAGES = sorted(
+  os.path.relpath(p, ROOT)
+  for p in glob.glob(os.path.join(DOCS, "**", "*.md"), recursive=True)
+  if "_build" not in p
+)
+
+
+def _checked(page: str) -> bool:
+  with open(os.path.join(ROOT, page)) as f:
+    source = page_source(f.read())
+  return any(EXPECTED.match(line) for line in source.splitlines())
+
+
+CHECKED_PAGES = [p for p in PAGES if _checked(p)]
+
+
 @pytest.mark.parametrize(
   "start, source", BLOCKS, ids=[f"line{start}" for start, _ in BLOCKS]
 )
@@ -116,14 +160,57 @@ def test_python_block_runs_and_prints_what_the_readme_says(start, source):
     )
 
 
-def test_readme_has_blocks_and_states_outputs():
-  assert len(BLOCKS) >= 5
-  stated = sum(
-    bool(EXPECTED.match(line))
-    for _, source in BLOCKS
-    for line in source.splitlines()
+@pytest.mark.parametrize("page", CHECKED_PAGES)
+def test_guide_page_runs_and_prints_what_it_says(page):
+  with open(os.path.join(ROOT, page)) as f:
+    source = page_source(f.read())
+  for line, want, got in run_block(source, page):
+    assert output_matches(want, got), (
+      f"{page} line {line} prints\n"
+      + "\n".join(got)
+      + "\nbut the page says\n"
+      + "\n".join(want)
+    )
+
+
+def _stated(source: str) -> int:
+  return sum(bool(EXPECTED.match(line)) for line in source.splitlines())
+
+
+def test_readme_and_guides_have_code_and_state_outputs():
+  assert len(BLOCKS) >= 1
+  assert sum(_stated(source) for _, source in BLOCKS) >= 2
+  # The outputs the README checked before the docs site, now on these pages:
+  # none of them may become unchecked.
+  stated = {}
+  for page in CHECKED_PAGES:
+    with open(os.path.join(ROOT, page)) as f:
+      stated[page] = _stated(page_source(f.read()))
+  required = {
+    "loss_scaling.md": 1,
+    "diagnostics.md": 3,
+    "master_weights.md": 4,
+    "frameworks.md": 2,
+    "building_blocks.md": 1,
+  }
+  for name, n in required.items():
+    page = os.path.join("docs", "guides", name)
+    assert stated.get(page, 0) >= n, f"{page} checks {stated.get(page, 0)}"
+
+
+def test_page_source_keeps_cells_at_their_lines():
+  page = (
+    "# T\n\n```{code-cell} ipython3\n:tags: [hide-output]\nprint('a 1')\n"
+    "# -> a 1\n```\n\nProse: print('no')\n\n```{code-cell} ipython3\n---\n"
+    "tags: [x]\n---\nx = 2\nprint(x)\n# -> 2\n```\n```python\nprint(3)\n```\n"
   )
-  assert stated >= 5
+  source = page_source(page)
+  assert source.splitlines()[4] == "print('a 1')"
+  checks = run_block(source, "page.md")
+  assert [(line, output_matches(w, g)) for line, w, g in checks] == [
+    (5, True),
+    (16, True),
+  ]
 
 
 @pytest.mark.parametrize(

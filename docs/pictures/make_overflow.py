@@ -71,7 +71,7 @@ def run():
     poison = jnp.float32(jnp.inf if i in INJECT else 1.0)
     params, opt_state, loss, scale = step(params, opt_state, poison)
     stats = jax.device_get(jaxmp.stats(opt_state))
-    rows.append((i, float(loss), float(scale), not bool(stats["grads_finite"])))
+    rows.append((i, float(loss), float(scale), not bool(stats["step_applied"])))
   final = jax.device_get(jaxmp.stats(opt_state))
   return np.array(rows), final
 
