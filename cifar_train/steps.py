@@ -51,7 +51,15 @@ class AutocastModel:
 
   def __init__(self, model: models.ResNet, dtype: Any, debug: bool = False):
     self.model = model
+    self.autocast_dtype = dtype
+    self.autocast_debug = debug
     self.apply = jaxmp.autocast(model.apply, dtype, debug=debug)
+
+  def clone(self, **updates: Any) -> "AutocastModel":
+    """``model.clone(**updates)``, still under autocast."""
+    return AutocastModel(
+      self.model.clone(**updates), self.autocast_dtype, self.autocast_debug
+    )
 
   def __getattr__(self, name: str) -> Any:
     """The wrapped model's attribute (``init``, ``dtype``, ...)."""
