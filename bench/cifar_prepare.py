@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -114,16 +113,8 @@ def main():
 
   tmp = tempfile.mkdtemp(prefix="cifar-prepare-")
   data_dir = os.path.join(tmp, "tfds")
-  archive = cifar.Cifar10(data_dir=data_dir).manual_archive()
-  os.makedirs(os.path.dirname(archive))
-  rng = np.random.default_rng(0)
-
-  def split(n):
-    labels = rng.integers(0, 10, (n, 1), dtype=np.uint8)
-    return labels, rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
-
   start = time.perf_counter()
-  cifar.write_archive(archive, "cifar10", split(args.train), split(args.test))
+  archive = cifar.write_random_archive(data_dir, args.train, args.test)
   print(
     f"archive written: {os.path.getsize(archive) / 1e6:.0f} MB, "
     f"{args.train} + {args.test} images "

@@ -31,7 +31,6 @@ import tarfile
 import tempfile
 import time
 
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -99,15 +98,7 @@ def main() -> None:
   }
   env.update(TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
   data_dir = os.path.join(tmp, "tfds")
-  archive = cifar.Cifar10(data_dir=data_dir).manual_archive()
-  os.makedirs(os.path.dirname(archive))
-  rng = np.random.default_rng(0)
-
-  def split(n):
-    labels = rng.integers(0, 10, (n, 1), dtype=np.uint8)
-    return labels, rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
-
-  cifar.write_archive(archive, "cifar10", split(50_000), split(10_000))
+  archive = cifar.write_random_archive(data_dir)
   unpacked = os.path.join(tmp, "unpacked")
   with tarfile.open(archive) as tar:
     tar.extractall(unpacked)

@@ -182,3 +182,26 @@ def write_archive(
       entry = tarfile.TarInfo(info.prefix + member)
       entry.size = len(data)
       tar.addfile(entry, io.BytesIO(data))
+
+
+def write_random_archive(
+  data_dir: str, num_train: int = 50_000, num_test: int = 10_000
+) -> str:
+  """A CIFAR10 archive of random pixels and labels in ``data_dir``'s manual dir.
+
+  For benchmarks: the real archive's size and format (`write_archive`), drawn
+  with seed 0, where `Cifar10` looks for a manually placed archive.
+
+  Returns:
+    The archive's path.
+  """
+  archive = Cifar10(data_dir=data_dir).manual_archive()
+  os.makedirs(os.path.dirname(archive), exist_ok=True)
+  rng = np.random.default_rng(0)
+
+  def split(n):
+    labels = rng.integers(0, 10, (n, 1), dtype=np.uint8)
+    return labels, rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+
+  write_archive(archive, "cifar10", split(num_train), split(num_test))
+  return archive

@@ -37,6 +37,25 @@ def _atomic_write(path: str, text: str) -> None:
   os.replace(tmp, path)
 
 
+def _summary_writer(logdir: str):
+  """A tensorboardX ``SummaryWriter``, imported without PyTorch.
+
+  tensorboardX imports torch when it is installed (to accept its tensors),
+  which costs 1.5-2 s of every start where torch is present (the bench
+  extra); the app logs Python floats only. A torch the process already
+  imported is used as is.
+  """
+  blocked = "torch" not in sys.modules
+  if blocked:
+    sys.modules["torch"] = None  # `import torch` raises ImportError.
+  try:
+    import tensorboardX  # pylint: disable=g-import-not-at-top
+  finally:
+    if blocked and sys.modules.get("torch", 0) is None:
+      del sys.modules["torch"]
+  return tensorboardX.SummaryWriter(logdir)
+
+
 class Reporter:
   """Progress bar, the seed's epoch line, metrics.jsonl, TensorBoard, plots.
 
@@ -87,12 +106,7 @@ class Reporter:
         file=sys.stderr,
         leave=False,
       )
-    try:
-      import tensorboardX  # pylint: disable=g-import-not-at-top
-
-      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
-    except ImportError:  # pragma: no cover - declared dependency.
-      self._tb = None
+    self._tb = _summary_writer(os.path.join(workdir, "tb"))
 
   def __enter__(self) -> "Reporter":
     """Returns the reporter itself."""
