@@ -24,6 +24,7 @@ does not resize.
 """
 
 from collections.abc import Iterator, Sequence
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -161,11 +162,39 @@ def crop_rows_cols(
   return rows, cols
 
 
+class _InBackground:
+  """``fn()`` computed on a daemon thread; `result` waits for it."""
+
+  def __init__(self, fn):
+    self._out = []
+    self._thread = threading.Thread(
+      target=self._run, args=(fn,), daemon=True, name="jaxmp-pad"
+    )
+    self._thread.start()
+
+  def _run(self, fn):
+    try:
+      self._out.append((True, fn()))
+    except BaseException as e:  # pylint: disable=broad-except
+      self._out.append((False, e))  # Raised in the caller, by `result`.
+
+  def result(self):
+    """``fn()``'s value, or its exception raised here."""
+    self._thread.join()
+    ok, value = self._out[0]
+    if not ok:
+      raise value
+    return value
+
+
 class HostBatches:
   """Training batches of one data set, built in numpy on the host.
 
   The data set is padded once (`pad`); a batch is one fancy index into it
-  (each pixel's three bytes read as one item) and `normalize`.
+  (each pixel's three bytes read as one item) and `normalize`. The padding
+  (a 150 MB copy for CIFAR10, ~0.4 s) runs on a background thread from
+  construction, so that it overlaps the caller's start-up (numpy releases
+  the GIL); the first batch waits for it.
   """
 
   def __init__(
@@ -177,11 +206,12 @@ class HostBatches:
     std: Sequence[float],
   ):
     n, self._h, self._w, c = images.shape
-    padded = pad(np.ascontiguousarray(images, np.uint8))
-    self._pw = padded.shape[2]
-    self._ph = padded.shape[1]
+    self._ph, self._pw = self._h + 2 * PAD, self._w + 2 * PAD
+    images = np.ascontiguousarray(images, np.uint8)
     # One item per pixel: a gather moves C bytes at once.
-    self._pixels = padded.view(np.dtype((np.void, c))).reshape(-1)
+    self._padding = _InBackground(
+      lambda: pad(images).view(np.dtype((np.void, c))).reshape(-1)
+    )
     self._channels = c
     self._labels = np.asarray(labels, np.int32)
     self._scale, self._bias = normalization(mean, std)
@@ -195,7 +225,7 @@ class HostBatches:
       + rows[:, :, None] * self._pw
       + cols[:, None, :]
     )
-    pixels = self._pixels[flat].view(np.uint8)
+    pixels = self._padding.result()[flat].view(np.uint8)
     pixels = pixels.reshape(len(index), self._h, self._w, self._channels)
     return {
       "image": normalize(pixels, self._scale, self._bias),

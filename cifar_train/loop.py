@@ -572,8 +572,10 @@ def train(
     manager = resources.enter_context(
       ckpt_lib.open_manager(workdir, s.keep_checkpoints)
     )
-    state, resumed = restore(job, manager)
+    # The batch source first: it pads the data set on a background thread
+    # while `restore` initialises the state.
     source = make_batch_source(job)
+    state, resumed = restore(job, manager)
     job, state = settle_precision(job, state, source, resumed)
     step_fn, eval_step = compile_steps(job, source)
     reporter = resources.enter_context(

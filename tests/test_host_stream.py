@@ -181,3 +181,16 @@ def test_eval_covers_every_example_once(process_count):
     host_stream.eval_batches(images, labels, batch_size=16, mean=MEAN, std=STD)
   )[-1]
   assert last["mask"].tolist() == [True] * 2 + [False] * 14
+
+
+def test_background_padding_hands_over_its_value_or_its_error():
+  """`HostBatches` pads on a thread: its result, or its error, in the caller."""
+  done = host_stream._InBackground(lambda: np.arange(3))  # pylint: disable=protected-access
+  np.testing.assert_array_equal(done.result(), np.arange(3))
+
+  def fail():
+    raise MemoryError("no room for the padded set")
+
+  failed = host_stream._InBackground(fail)  # pylint: disable=protected-access
+  with pytest.raises(MemoryError, match="no room for the padded set"):
+    failed.result()
