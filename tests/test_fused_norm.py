@@ -59,6 +59,81 @@ def _norm_inputs(dtype=f32, shape=(4, 3, 3, 5)):
   return tuple(jnp.asarray(a, dtype) for a in (x, scale, bias, residual))
 
 
+U32 = 2.0**-24  # float32's unit roundoff.
+
+
+def _moment_errors(xs):
+  """Worst-case float32 errors of a channel's mean and biased variance.
+
+  ``xs``: ``[n, C]`` float64 values. flax's fast moments, as FusedBatchNorm
+  computes them: mean and mean of squares are sums of n terms, off by at
+  most n u times the mean magnitude in any summation order (squares rounded
+  once more); var = mean(x^2) - mean(x)^2 adds the square's error and two
+  roundings.
+  """
+  n = xs.shape[0]
+  mean, mean_sq = xs.mean(0), np.mean(xs**2, 0)
+  d_mean = n * U32 * np.abs(xs).mean(0)
+  d_var = (n + 1) * U32 * mean_sq + 2 * np.abs(mean) * d_mean + d_mean**2
+  return d_mean, d_var + 2 * U32 * (mean_sq + mean**2)
+
+
+def _norm_bounds(x, scale, bias, residual, relu, ct, eps=1e-5):
+  """Float64 BatchNorm(+add)(+ReLU) and float32 error bounds for one side.
+
+  Returns ``(dy, dgrads)``: per-element bounds on |y32 - y| of one float32
+  implementation, and on each gradient of ``sum(y * ct)`` (x, scale, bias,
+  residual). The output moves with the statistics' errors (`_moment_errors`)
+  through ``(x - mean) * rstd * scale`` (rstd's relative error is half the
+  variance's) plus a few roundings of each term. The backward pass is three
+  chains of per-channel sums of n terms (mean g, mean g x_hat, then dscale,
+  dbias) whose float32 errors, and the statistics' through x_hat, are each at
+  most n u times the sum of the magnitudes of what is summed (``mass``):
+  4 n u mass.
+  """
+  c = x.shape[-1]
+  xs = np.asarray(x, np.float64).reshape(-1, c)
+  n = xs.shape[0]
+  s, b = np.asarray(scale, np.float64), np.asarray(bias, np.float64)
+  mean, var = xs.mean(0), xs.var(0)
+  rstd = 1 / np.sqrt(var + eps)
+  x_hat = (xs - mean) * rstd
+  pre = x_hat * s + b
+  res = 0.0 if residual is None else np.asarray(residual, np.float64)
+  res = np.reshape(res, (-1, c)) if residual is not None else 0.0
+  pre = pre + res
+  d_mean, d_var = _moment_errors(xs)
+  d_xhat = rstd * (d_mean + np.abs(xs - mean) * d_var / (2 * (var + eps)))
+  d_xhat += 3 * U32 * np.abs(x_hat)
+  dy = np.abs(s) * d_xhat + 4 * U32 * (np.abs(x_hat * s) + np.abs(b))
+  dy = dy + 2 * U32 * np.abs(res)
+  g = np.asarray(ct, np.float64).reshape(-1, c) * (pre > 0 if relu else 1)
+  mass = {
+    "bias": np.abs(g).sum(0),
+    "scale": np.abs(g * x_hat).sum(0)
+    + np.abs(g).sum(0) * d_xhat.max(0) / (n * U32),
+    "x": np.abs(s)
+    * rstd
+    * (
+      np.abs(g) + np.abs(g).mean(0) + np.abs(x_hat) * np.abs(g * x_hat).mean(0)
+    ),
+    "residual": np.abs(g),
+  }
+  dgrads = {
+    k: 4 * n * U32 * (v.reshape(x.shape) if v.ndim == 2 else v)
+    for k, v in mass.items()
+  }
+  return dy.reshape(x.shape), dgrads
+
+
+def _assert_within(got, want, bound, msg=""):
+  """|got - want| <= bound elementwise (float64)."""
+  got = np.asarray(got, np.float64)
+  err = np.abs(got - np.asarray(want, np.float64))
+  bound = np.broadcast_to(bound, err.shape) + 1e-30
+  assert np.all(err <= bound), f"{msg} max err/bound {np.max(err / bound):.3g}"
+
+
 class FusedNormTest(parameterized.TestCase):
   @parameterized.product(relu=(True, False), with_residual=(True, False))
   def test_check_grads_float64(self, relu, with_residual):
@@ -90,21 +165,29 @@ class FusedNormTest(parameterized.TestCase):
         y = y[0]
       return jnp.sum(y * ct)
 
-    np.testing.assert_allclose(
-      _fused_norm_act(x, scale, bias, residual, relu),
-      _reference_norm_act(x, scale, bias, residual, relu)[0],
-      rtol=1e-5,
-      atol=1e-5,
-    )
     argnums = (0, 1, 2, 3) if with_residual else (0, 1, 2)
-    g_fused = jax.grad(functools.partial(loss, _fused_norm_act), argnums)(
-      x, scale, bias, residual
-    )
-    g_ref = jax.grad(functools.partial(loss, _reference_norm_act), argnums)(
-      x, scale, bias, residual
-    )
-    for a, b in zip(g_fused, g_ref):
-      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+    # Both sides, values and gradients, in one program.
+    @jax.jit
+    def both(x, scale, bias, residual):
+      return [
+        (
+          fn(x, scale, bias, residual, relu),
+          jax.grad(functools.partial(loss, fn), argnums)(
+            x, scale, bias, residual
+          ),
+        )
+        for fn in (_fused_norm_act, lambda *a: _reference_norm_act(*a)[0])
+      ]
+
+    (y_fused, g_fused), (y_ref, g_ref) = both(x, scale, bias, residual)
+    # Two float32 implementations: each within `_norm_bounds` of the exact
+    # values, so within twice that of each other.
+    dy, dgrads = _norm_bounds(x, scale, bias, residual, relu, ct)
+    _assert_within(y_fused, y_ref, 2 * dy, "y")
+    names = ("x", "scale", "bias", "residual")[: len(argnums)]
+    for name, a, b in zip(names, g_fused, g_ref):
+      _assert_within(a, b, 2 * dgrads[name], name)
 
   def test_half_precision_io_float32_stats(self):
     x, scale, bias, residual = _norm_inputs(f16)
@@ -145,12 +228,21 @@ class FusedNormTest(parameterized.TestCase):
       x,
       mutable=["batch_stats"],
     )[1]["batch_stats"]
-    xs = np.asarray(x).reshape(-1, 5)
-    np.testing.assert_allclose(
-      stats["mean"], 0.8 * 1.0 + 0.2 * xs.mean(0), rtol=1e-5
+    xs = np.asarray(x, np.float64).reshape(-1, 5)
+    # The float32 moments' errors (`_moment_errors`) times 0.2, and the
+    # update's three roundings (0.8 * old, 0.2 * new, their sum).
+    d_mean, d_var = _moment_errors(xs)
+    want_mean = 0.8 * 1.0 + 0.2 * xs.mean(0)
+    _assert_within(
+      stats["mean"], want_mean, 0.2 * d_mean + 3 * U32 * np.abs(want_mean)
     )
-    np.testing.assert_allclose(  # Biased variance, like nn.BatchNorm.
-      stats["var"], 0.8 * 2.0 + 0.2 * xs.var(0), rtol=1e-5
+    want_var = 0.8 * 2.0 + 0.2 * xs.var(0)  # Biased, like nn.BatchNorm.
+    _assert_within(
+      stats["var"], want_var, 0.2 * d_var + 3 * U32 * np.abs(want_var)
+    )
+    # Not the unbiased variance: 0.2 var / (n - 1) away, far outside.
+    self.assertTrue(
+      np.all(0.2 * xs.var(0) / (len(xs) - 1) > 10 * (0.2 * d_var))
     )
 
   def test_axis_name_under_vmap(self):
@@ -183,19 +275,32 @@ class FusedNormTest(parameterized.TestCase):
       return jnp.sum(y.reshape(x.shape) * ct)
 
     mapped = jax.vmap(functools.partial(fused, axis_name="d"), axis_name="d")
-    whole = fused(x.reshape(8, 3, 3, 5), residual.reshape(8, 3, 3, 5), None)
-    np.testing.assert_allclose(
-      mapped(x, residual), whole.reshape(x.shape), rtol=1e-5, atol=1e-6
-    )
-    expected = jax.jit(jax.grad(whole_batch_loss, (0, 1)))(x, residual)
-    for fn in (fused, plain):
-      grads = jax.jit(
+
+    @jax.jit
+    def everything(x, residual):
+      whole = fused(x.reshape(8, 3, 3, 5), residual.reshape(8, 3, 3, 5), None)
+      grads = [
         jax.vmap(
           jax.grad(functools.partial(local_loss, fn), (0, 1)), axis_name="d"
-        )
-      )(x, residual, ct)
-      for a, b in zip(grads, expected):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        )(x, residual, ct)
+        for fn in (fused, plain)
+      ]
+      return (
+        mapped(x, residual),
+        whole.reshape(x.shape),
+        jax.grad(whole_batch_loss, (0, 1))(x, residual),
+        grads,
+      )
+
+    y_mapped, y_whole, expected, grads = everything(x, residual)
+    # Two float32 computations of the statistics over the same n = 72
+    # values per channel: each within `_norm_bounds` of exact, so within
+    # twice that of each other.
+    dy, dgrads = _norm_bounds(x, scale, bias, residual, True, ct)
+    _assert_within(y_mapped, y_whole, 2 * dy, "y")
+    for per_fn in grads:
+      for name, a, b in zip(("x", "residual"), per_fn, expected):
+        _assert_within(a, b, 2 * dgrads[name], name)
 
 
 def _tol(dtype, n):

@@ -53,12 +53,27 @@ def _images(shape=(4, 8, 8, 3), seed=0):
   return jnp.asarray(np.random.default_rng(seed).normal(size=shape), f32)
 
 
-def _train_step_fn(model, loss_scale=1.0):
+# The torchvision stem (7x7 stride-2 conv, max-pool) with torch's unbiased
+# running variance, on 32x32 images: maps of 16x16 (stem), 8x8 (pool, stage
+# 1) and 4x4 (stage 2), all more than 4 pixels, so that the forward
+# convolutions are lax's with cpu_convs too (CpuConvsModelTest).
+IMAGENET = dict(unbiased_running_var=True, stem="imagenet")
+IMAGENET_IMAGES = (4, 32, 32, 3)
+
+
+# The static loss scale of every train step here: it keeps float16 gradients
+# of this tiny net from underflow, and a power of two scales and unscales
+# float32 and float64 exactly. One value for all tests, so that the tests
+# that build the same model compile the same program once (tests/conftest.py's
+# compilation cache).
+LOSS_SCALE = 1024.0
+
+
+def _train_step_fn(model, loss_scale=LOSS_SCALE):
   """Jitted (loss, logits, new_batch_stats, grads) of a train step.
 
   Gradients are of ``loss * loss_scale``, returned unscaled in float32 (or
-  float64): a static loss scale keeps float16 gradients of this tiny net from
-  underflow.
+  float64).
   """
 
   def loss_fn(params, batch_stats, x, labels):
@@ -86,13 +101,35 @@ def _train_step_fn(model, loss_scale=1.0):
   return step
 
 
+def _conv64(x, w, stride, pad):
+  """NHWC x HWIO -> NHWC in float64 with zero padding (numpy, by taps)."""
+  x = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+  kh, kw = w.shape[:2]
+  ho = (x.shape[1] - kh) // stride + 1
+  wo = (x.shape[2] - kw) // stride + 1
+  out = 0
+  for dy in range(kh):
+    for dx in range(kw):
+      patch = x[
+        :, dy : dy + stride * ho : stride, dx : dx + stride * wo : stride
+      ]
+      out = out + np.einsum("nhwi,io->nhwo", patch, w[dy, dx])
+  return out
+
+
 def _rel_err(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)
 
 
 def _float64_step(
-  variables, x, labels, loss_scale=1.0, fused_norm=False, cpu_convs=False, **kw
+  variables,
+  x,
+  labels,
+  loss_scale=LOSS_SCALE,
+  fused_norm=False,
+  cpu_convs=False,
+  **kw,
 ):
   """`_train_step_fn`'s outputs in float64 (default: flax's BatchNorm, convs)."""
   kwargs = dict(
@@ -208,15 +245,17 @@ class ParamCountTest(parameterized.TestCase):
 class ResNetTest(parameterized.TestCase):
   @parameterized.product(stem=("cifar", "imagenet"), dtype=(f32, f16))
   def test_output_shape_and_dtype(self, stem, dtype):
+    # Shapes and dtypes are the traced program's (jax.eval_shape), without
+    # compiling it; the tests below run these models.
     model = _small(num_filters=4, num_classes=7, stem=stem, dtype=dtype)
     x = _images((4, 16, 16, 3))
     variables = _init(model, x)
-    apply = jax.jit(
-      functools.partial(model.apply, mutable=["batch_stats"]),
-      static_argnames="train",
-    )
     for train in (True, False):
-      out = apply(variables, x, train=train)[0]
+      out = jax.eval_shape(
+        functools.partial(model.apply, train=train, mutable=["batch_stats"]),
+        variables,
+        x,
+      )[0]
       self.assertEqual(out.shape, (4, 7))
       self.assertEqual(out.dtype, f32)
 
@@ -268,63 +307,107 @@ class ResNetTest(parameterized.TestCase):
     # float32 before rounding, plain flax in float16.
     ("o1", dict(dtype=f16)),
     ("o2", dict(dtype=f16, param_dtype=f16)),
-    (
-      "unbiased_var_imagenet",
-      dict(unbiased_running_var=True, stem="imagenet"),
-    ),
+    ("unbiased_var_imagenet", IMAGENET),
   )
   def test_fused_matches_plain_train(self, kwargs):
-    x = _images()
+    x = _images(
+      IMAGENET_IMAGES if kwargs.get("stem") == "imagenet" else (4, 8, 8, 3)
+    )
     labels = jnp.arange(4) % 10
     fused = _small(fused_norm=True, **kwargs)
     plain = _small(fused_norm=False, **kwargs)
     variables = _init(fused, x, seed=1)
-    out_f = _train_step_fn(fused, 1024.0)(variables, x, labels)
-    out_p = _train_step_fn(plain, 1024.0)(variables, x, labels)
+    out_f = _train_step_fn(fused)(variables, x, labels)
+    out_p = _train_step_fn(plain)(variables, x, labels)
     for a, b in zip(jax.tree.leaves(out_f[2]), jax.tree.leaves(out_p[2])):
       self.assertEqual(a.dtype, b.dtype)
-    ref = _float64_step(variables, x, labels, 1024.0, **kwargs)
+    ref = _float64_step(variables, x, labels, **kwargs)
     u = 2.0**-11 if kwargs.get("dtype") == f16 else 2.0**-24
     _assert_as_accurate(out_f, out_p, ref, u)
     if u == 2.0**-24:  # The fused math in float64 too: a far finer check.
       fused64 = _float64_step(
-        variables, x, labels, 1024.0, fused_norm=True, cpu_convs=True, **kwargs
+        variables, x, labels, fused_norm=True, cpu_convs=True, **kwargs
       )
       _assert_as_accurate(fused64, out_p, ref, u, ours_unit=2.0**-53)
 
-  def test_unbiased_running_var(self):
+  @parameterized.named_parameters(
+    # (model kwargs, images, stem conv stride and padding); the programs of
+    # test_fused_matches_plain_train's fused models (fp32, and
+    # unbiased_var_imagenet), compiled once for both tests.
+    ("cifar_biased", {}, (4, 8, 8, 3), 1, 1),
+    ("imagenet_unbiased", IMAGENET, IMAGENET_IMAGES, 2, 3),
+  )
+  def test_unbiased_running_var(self, kwargs, shape, stride, pad):
     self.assertTrue(resnet.resnet18_torchvision().unbiased_running_var)
     self.assertFalse(resnet.resnet18().unbiased_running_var)
-    x = _images()
-    labels = jnp.arange(4) % 10
-    stats = []
-    for unbiased in (False, True):
-      model = _small(unbiased_running_var=unbiased, bn_momentum=0.0)
-      variables = _init(model, x, seed=1)
-      stats.append(_train_step_fn(model)(variables, x, labels)[2])
-    # With momentum 0 the stored variance is the batch variance: the ratio
-    # is n / (n - 1), n = 4 images * 8 * 8 pixels for the stem's bn1.
-    n = 4 * 8 * 8
-    np.testing.assert_allclose(
-      stats[1]["bn1"]["var"], stats[0]["bn1"]["var"] * n / (n - 1), rtol=1e-6
-    )
+    x = _images(shape)
+    model = _small(**kwargs)
+    variables = _init(model, x, seed=1)
+    stats = _train_step_fn(model)(variables, x, jnp.arange(4) % 10)[2]
+    got = np.asarray(stats["bn1"]["var"], np.float64)
+    # The stem's bn1 normalises the stem conv's output y over n = 4 images *
+    # its pixels; the stored variance is m * 1 + (1 - m) * c * var(y), m =
+    # 0.9, c = n / (n - 1) (torch's unbiased variance) or 1. y in float64:
+    kernel = np.asarray(variables["params"]["conv1"]["kernel"], np.float64)
+    x64 = np.asarray(x, np.float64)
+    y = _conv64(x64, kernel, stride, pad)
+    n = y.size // y.shape[-1]
+    c = n / (n - 1) if kwargs.get("unbiased_running_var") else 1.0
+    m, u = 0.9, 2.0**-24
+    want = m + (1 - m) * c * y.var(axis=(0, 1, 2))
+    # float32 rounding, worst case in any summation order: each y is a sum of
+    # k = 3 * kh * kw products, off by at most k u sum |x w| (``mass``); the
+    # moments mean(y) and mean(y^2) are sums of n terms, off by n u times
+    # the mean magnitude (plus what y's error brings); var = mean(y^2) -
+    # mean(y)^2 and the running update add a few roundings of their size.
+    k = kernel.shape[0] * kernel.shape[1] * kernel.shape[2]
+    dy = np.max(k * u * _conv64(np.abs(x64), np.abs(kernel), stride, pad))
+    axes = (0, 1, 2)
+    mean, mean_sq = y.mean(axes), np.mean(y**2, axes)
+    d_mean = dy + n * u * np.abs(y).mean(axes)
+    d_mean_sq = 2 * np.abs(y).mean(axes) * dy + dy**2 + (n + 1) * u * mean_sq
+    d_var = d_mean_sq + 2 * np.abs(mean) * d_mean + d_mean**2
+    d_var += 2 * u * (mean_sq + mean**2)
+    tol = (1 - m) * c * d_var + 4 * u * want
+    np.testing.assert_array_less(np.abs(got - want), tol)
+    # The other variance is (1 - m) var / (n - 1) away: more than twice the
+    # bound, so that a wrong factor cannot pass.
+    assert np.all((1 - m) * y.var(axes) / (n - 1) > 2 * tol)
 
   def test_fused_matches_plain_eval(self):
     x = _images()
+    labels = jnp.arange(4) % 10
     fused = _small(fused_norm=True)
     plain = _small(fused_norm=False)
-    variables = _init(fused, x)
-    # Non-trivial running statistics.
+    variables = _init(fused, x, seed=1)
+    # Non-trivial running statistics (test_fused_matches_plain_train's fp32
+    # program).
     variables = {
       "params": variables["params"],
-      "batch_stats": _train_step_fn(fused)(variables, x, jnp.zeros(4, int))[2],
+      "batch_stats": _train_step_fn(fused)(variables, x, labels)[2],
     }
-    np.testing.assert_allclose(
-      jax.jit(functools.partial(fused.apply, train=False))(variables, x),
-      jax.jit(functools.partial(plain.apply, train=False))(variables, x),
-      rtol=1e-5,
-      atol=1e-5,
+    apply = lambda model, v, x: jax.device_get(
+      jax.jit(functools.partial(model.apply, train=False))(v, x)
     )
+    got_fused = apply(fused, variables, x)
+    got_plain = apply(plain, variables, x)
+    with jax.enable_x64(True):
+      plain64 = _small(
+        fused_norm=False,
+        cpu_convs=False,
+        dtype=np.float64,
+        param_dtype=np.float64,
+        norm_dtype=np.float64,
+      )
+      v64 = jax.tree.map(lambda a: np.asarray(a, np.float64), variables)
+      ref = apply(plain64, v64, np.asarray(x, np.float64))
+    # As in `_assert_as_accurate`: the fused logits within 16 times flax's
+    # float32 rounding error (u times the amplification of this net, at
+    # least 1) of float64.
+    u = 2.0**-24
+    amplification = max(_rel_err(got_plain, ref) / u, 1.0)
+    err = _rel_err(got_fused, ref)
+    self.assertLess(err, 16 * amplification * u)
 
   def test_torchvision_init_statistics(self):
     model = resnet.ResNet(
@@ -334,8 +417,16 @@ class ResNetTest(parameterized.TestCase):
       stem="imagenet",
       init_scheme="torchvision",
     )
-    init = jax.jit(functools.partial(model.init, train=False))
-    params = init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    # Only the tensors checked below: jit drops the other initialisers.
+    params = jax.jit(
+      lambda k: {
+        name: p
+        for name, p in model.init(k, jnp.zeros((1, 8, 8, 3)), train=False)[
+          "params"
+        ].items()
+        if name in ("layer1_0", "fc", "bn1")
+      }
+    )(jax.random.key(0))
     conv = params["layer1_0"]["conv1"]["kernel"]  # 3x3x32x32, fan_out 288
     # The std of n = 9216 normal values: standard error sigma / sqrt(2n),
     # 0.74%; 5% is 6.8 standard errors.
@@ -365,16 +456,22 @@ class ResNetTest(parameterized.TestCase):
 class CpuConvsModelTest(parameterized.TestCase):
   """ResNet with jaxmp's CPU convs and max-pool matches flax's."""
 
-  @parameterized.named_parameters(("cifar", "cifar"), ("imagenet", "imagenet"))
-  def test_model_gradients_match_flax_ops(self, stem):
-    x = _images((4, 32, 32, 3)) if stem == "imagenet" else _images()
+  # The CIFAR and the torchvision stem (`IMAGENET`, with the unbiased running
+  # variance): ours and the float64 reference are the programs
+  # test_fused_matches_plain_train compiles for fp32 and
+  # unbiased_var_imagenet.
+  @parameterized.named_parameters(("cifar", {}), ("imagenet", IMAGENET))
+  def test_model_gradients_match_flax_ops(self, kwargs):
+    x = _images(
+      IMAGENET_IMAGES if kwargs.get("stem") == "imagenet" else (4, 8, 8, 3)
+    )
     labels = jnp.arange(4) % 10
-    ours = _small(cpu_convs=True, stem=stem)
-    plain = _small(cpu_convs=False, stem=stem)
+    ours = _small(cpu_convs=True, **kwargs)
+    plain = _small(cpu_convs=False, **kwargs)
     variables = _init(ours, x, seed=2)
     out_t = _train_step_fn(ours)(variables, x, labels)
     out_p = _train_step_fn(plain)(variables, x, labels)
     # The forward convolutions are lax's in both; the max-pool's value too.
     np.testing.assert_array_equal(out_t[1], out_p[1])
-    ref = _float64_step(variables, x, labels, stem=stem)
+    ref = _float64_step(variables, x, labels, **kwargs)
     _assert_as_accurate(out_t, out_p, ref, 2.0**-24)
