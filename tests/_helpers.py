@@ -28,7 +28,8 @@ checkpoint ``step``:
   in orbax's background writer thread.
 
 Run a job through ``cli.run`` (the command line's error handling) with
-``"cli": true``.
+``"cli": true``. With ``SPEC["one_block"]`` every job trains the one-block
+net of `one_block_models` instead of ResNet18.
 
 `run_distributed` starts the processes of a multi-process (`jax.distributed`)
 run on localhost instead, see `distributed_main`.
@@ -78,6 +79,28 @@ def tiny_config(data_dir: str, **overrides):
   for key, value in overrides.items():
     config[key] = value
   return config
+
+
+def _one_block(create_model):
+  def create_one_block_model(*args, **kwargs):
+    return create_model(*args, **kwargs).clone(stage_sizes=(1,))
+
+  return create_one_block_model
+
+
+def one_block_models(monkeypatch) -> None:
+  """Makes the app build a one-block ResNet instead of ResNet18.
+
+  One stage of one ``BasicBlock`` after the stem (``conv1``, ``bn1``,
+  ``layer1_0`` with ``conv1``, ``bn1``, ``conv2``, ``bn2``, then ``fc``):
+  every leaf kind of ResNet18 (convolutions, BatchNorm scale, bias and
+  statistics, a dense layer) at a fraction of its compile time. For tests whose
+  point is not ResNet18's architecture; `run_driver`'s ``one_block`` does the
+  same in its child jobs.
+  """
+  from cifar_train import steps  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(steps, "create_model", _one_block(steps.create_model))
 
 
 def load_tiny_data(data_dir: str):
@@ -286,6 +309,7 @@ def _run_job(job: dict, data) -> None:
     os._exit(cli.run(config, job["workdir"], data=data))  # pylint: disable=protected-access
   summary = loop.train_and_evaluate(config, job["workdir"], data=data)
   print("fingerprint", summary["params_fingerprint"], flush=True)
+  print("state_fingerprint", summary["state_fingerprint"], flush=True)
   os._exit(0)  # pylint: disable=protected-access
 
 
@@ -300,6 +324,10 @@ def main(spec_path: str) -> None:
   import tensorboardX  # noqa: F401
   import orbax.checkpoint  # noqa: F401
 
+  if spec.get("one_block"):  # The forked children inherit the patch.
+    from cifar_train import steps  # pylint: disable=g-import-not-at-top
+
+    steps.create_model = _one_block(steps.create_model)
   # The parent reads the data (TensorFlow) but never initialises JAX.
   data = load_tiny_data(spec["data_dir"])
   results = []

@@ -1,17 +1,19 @@
 """The app on fp16 failures: the worst leaf, a NaN loss, an "auto" scale.
 
-Two runs of the tiny job through `cli.run` (the command line's error
-handling), each checked for several things at once to keep the suite fast.
+Two runs of the tiny job, on the one-block net (`one_block_models`), through
+`cli.run` (the command line's error handling), each checked for several things
+at once to keep the suite fast.
 """
 
 import json
 import os
 import re
 
+from _helpers import one_block_models
 from cifar_train import cli
 
-LEAF = "['layer3_1']['conv2']['kernel']"
-LEAF_SIZE = 3 * 3 * 16 * 16  # num_filters=4: layer3 has 16 channels.
+LEAF = "['layer1_0']['conv2']['kernel']"
+LEAF_SIZE = 3 * 3 * 4 * 4  # num_filters=4: layer1 has 4 channels.
 
 
 def _records(workdir):
@@ -20,15 +22,16 @@ def _records(workdir):
 
 
 def test_overflow_names_its_leaf_and_auto_scale_trains(
-  make_config, data_dir, tiny_data, tmp_path, capsys
+  make_config, data_dir, tiny_data, tmp_path, capsys, monkeypatch
 ):
+  one_block_models(monkeypatch)
   workdir = str(tmp_path / "overflow")
   config = make_config(
     data_dir,
     diagnostics=True,
     init_loss_scale="auto",
     inject_overflow_at_step=2,
-    inject_overflow_leaf="layer3_1/conv2/kernel",
+    inject_overflow_leaf="layer1_0/conv2/kernel",
     log_every_steps=3,  # The overflow at step 2 is between log steps.
     data_on_device=True,  # Calibrates on the batch gathered on the device.
   )
@@ -63,8 +66,9 @@ def test_overflow_names_its_leaf_and_auto_scale_trains(
 
 
 def test_nan_data_stops_with_one_line_and_keeps_the_scale(
-  make_config, data_dir, tiny_data, tmp_path, capsys
+  make_config, data_dir, tiny_data, tmp_path, capsys, monkeypatch
 ):
+  one_block_models(monkeypatch)
   workdir = str(tmp_path / "nan")
   config = make_config(
     data_dir, inject_nan_data_at_step=3, max_nonfinite_loss_steps=2

@@ -1,6 +1,7 @@
 """The app's O1 end to end: the fp32 ResNet under autocast, its debug report.
 
-Two short runs of the tiny job through `cli.run` with ``policy="O1"``: one
+Two short runs of the tiny job, on the one-block net (`one_block_models`),
+through `cli.run` with ``policy="O1"``: one
 that trains, and one whose normalised images are so large that the first
 convolution overflows fp16, where ``diagnostics=True`` names that op.
 """
@@ -10,10 +11,14 @@ import logging
 import math
 import os
 
+from _helpers import one_block_models
 from cifar_train import cli
 
 
-def test_o1_trains_the_tiny_job(make_config, data_dir, tiny_data, tmp_path):
+def test_o1_trains_the_tiny_job(
+  make_config, data_dir, tiny_data, tmp_path, monkeypatch
+):
+  one_block_models(monkeypatch)
   workdir = str(tmp_path / "o1")
   config = make_config(data_dir, policy="O1", num_train_steps=3)
   assert cli.run(config, workdir, data=tiny_data) == 0
@@ -27,8 +32,9 @@ def test_o1_trains_the_tiny_job(make_config, data_dir, tiny_data, tmp_path):
 
 
 def test_o1_diagnostics_name_the_forward_overflow(
-  make_config, data_dir, tiny_data, tmp_path, caplog
+  make_config, data_dir, tiny_data, tmp_path, caplog, monkeypatch
 ):
+  one_block_models(monkeypatch)
   # std 1e-5: inputs up to 5e4; a 3x3x3 convolution of them sums 27 terms
   # of ~3e4 * |w| (|w| ~ 0.2) and overflows fp16 (65504), fp32 does not.
   config = make_config(

@@ -1,4 +1,10 @@
-"""The command line: bad keys, values and files give one ``error:`` line."""
+"""The command line: bad keys, values and files give one ``error:`` line.
+
+Errors found while parsing (`train.parse`, before any flag is defined) are
+checked in-process; the process boundary (exit code 2, one line on stderr,
+no traceback) through `train.py` itself, once per path: a parse error, a
+flag error and a value that `settings.resolve` rejects.
+"""
 
 import os
 import subprocess
@@ -6,6 +12,7 @@ import sys
 
 import pytest
 
+import train
 from cifar_train import cli
 from configs import default
 
@@ -46,15 +53,11 @@ def _one_error_line(out) -> str:
   ],
 )
 def test_unknown_key_names_it_and_the_nearest(key, near, tmp_path):
-  line = _one_error_line(
-    _train_py(
-      "--config",
-      "configs/smoke.py",
-      "--workdir",
-      str(tmp_path),
-      f"--config.{key}=3",
-    )
-  )
+  argv = ["train.py", "--config", "configs/smoke.py"]
+  argv += ["--workdir", str(tmp_path), f"--config.{key}=3"]
+  with pytest.raises(train.ConfigFileError) as raised:
+    train.parse(argv)
+  line = str(raised.value)
   assert f"unknown config key {key!r}" in line and near in line
   assert not os.listdir(tmp_path)
 
@@ -122,20 +125,25 @@ def test_the_config_file_is_executed_once(tmp_path):
     "  f.write('ran\\n')\n"
     "get_config = smoke.get_config\n"
   )
-  for args in (
-    ["--config.policy=O9"],  # Rejected by settings.resolve.
-    ["--config.polcy=O2"],  # An unknown key.
-    ["--config.batch_size=abc"],  # A value of the wrong type.
-    ["--config.policy.x=1"],  # A field of a key that has none.
+  argv = ["--config", str(config), "--workdir", str(tmp_path / "w")]
+  # Through train.py: the flags are defined with the config, then parsed.
+  for arg in (
+    "--config.policy=O9",  # Rejected by settings.resolve.
+    "--config.batch_size=abc",  # A value of the wrong type.
   ):
     runs.write_text("")
-    line = _one_error_line(
-      _train_py(
-        "--config", str(config), "--workdir", str(tmp_path / "w"), *args
-      )
-    )
-    assert runs.read_text() == "ran\n", (args, line)
-  assert line == "error: config key 'policy' has no field 'x'"
+    line = _one_error_line(_train_py(*argv, arg))
+    assert runs.read_text() == "ran\n", (arg, line)
+  # Rejected while parsing, before any flag is defined: in-process.
+  for arg, message in (
+    ("--config.polcy=O2", "unknown config key 'polcy'"),  # An unknown key.
+    ("--config.policy.x=1", "config key 'policy' has no field 'x'"),
+  ):
+    runs.write_text("")
+    with pytest.raises(train.ConfigFileError) as raised:
+      train.parse(["train.py", *argv, arg])
+    assert str(raised.value).startswith(message), (arg, raised.value)
+    assert runs.read_text() == "ran\n", arg
 
 
 def test_reuse_host_memory_goes_through_settings(monkeypatch):

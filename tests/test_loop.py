@@ -1,4 +1,9 @@
-"""End-to-end: `loop.train_and_evaluate` on the tiny job (CPU, 4 devices)."""
+"""End-to-end: `loop.train_and_evaluate` on the tiny job (CPU, 4 devices).
+
+The first test trains the app's ResNet18; the others, whose point is not its
+architecture, the one-block net of `one_block_models` (a fraction of the
+compile time).
+"""
 
 import errno
 import glob
@@ -11,6 +16,7 @@ import PIL.Image
 import pytest
 
 from _helpers import no_probe
+from _helpers import one_block_models
 from _helpers import place_archive
 from _helpers import read_jsonl
 
@@ -111,6 +117,7 @@ class _Closed(list):
 def test_an_error_mid_epoch_closes_every_resource(
   make_config, data_dir, tiny_data, tmp_path, monkeypatch
 ):
+  one_block_models(monkeypatch)
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import tensorboardX  # pylint: disable=g-import-not-at-top
   import tqdm  # pylint: disable=g-import-not-at-top
@@ -150,6 +157,7 @@ def test_an_error_mid_epoch_closes_every_resource(
 def test_an_error_while_restoring_closes_the_manager(
   make_config, data_dir, tiny_data, tmp_path, monkeypatch
 ):
+  one_block_models(monkeypatch)
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   closed = _Closed()
@@ -166,7 +174,10 @@ def test_an_error_while_restoring_closes_the_manager(
   assert closed == ["checkpoints"]
 
 
-def test_the_named_steps_run_alone(make_config, data_dir, tiny_data, tmp_path):
+def test_the_named_steps_run_alone(
+  make_config, data_dir, tiny_data, tmp_path, monkeypatch
+):
+  one_block_models(monkeypatch)
   s = settings.resolve(make_config(data_dir, num_train_steps=3))
   job = loop.set_up(s, tiny_data)
   assert (job.steps_per_epoch, job.total_steps, job.num_devices) == (8, 3, 4)
@@ -215,7 +226,7 @@ def test_the_named_steps_run_alone(make_config, data_dir, tiny_data, tmp_path):
   ],
 )
 def test_resume_is_exact_for_the_whole_state(
-  on_device, policy, make_config, data_dir, tiny_data, tmp_path
+  on_device, policy, make_config, data_dir, tiny_data, tmp_path, monkeypatch
 ):
   """6 steps in one go == stopped after 4, resumed to 6: every bit of the state.
 
@@ -227,6 +238,7 @@ def test_resume_is_exact_for_the_whole_state(
   compensation or rounding key, momentum, loss scale, counters) and the
   data key.
   """
+  one_block_models(monkeypatch)
   config = make_config(
     data_dir, data_on_device=on_device, policy=policy, keep_checkpoints=3
   )
@@ -250,7 +262,10 @@ def test_resume_is_exact_for_the_whole_state(
   assert sorted(os.listdir(split / "checkpoints")) == ["4", "6"]
 
 
-def test_same_seed_same_state(make_config, data_dir, tiny_data, tmp_path):
+def test_same_seed_same_state(
+  make_config, data_dir, tiny_data, tmp_path, monkeypatch
+):
+  one_block_models(monkeypatch)
   a = loop.train_and_evaluate(
     make_config(data_dir, num_train_steps=2),
     str(tmp_path / "a"),
@@ -271,8 +286,9 @@ def test_same_seed_same_state(make_config, data_dir, tiny_data, tmp_path):
 
 
 def test_one_device_and_four_devices_agree(
-  make_config, data_dir, tiny_data, tmp_path
+  make_config, data_dir, tiny_data, tmp_path, monkeypatch
 ):
+  one_block_models(monkeypatch)
   config = lambda n: make_config(
     data_dir, num_devices=n, policy="O0", num_train_steps=1
   )
@@ -288,10 +304,10 @@ def test_one_device_and_four_devices_agree(
   # same kind of error. Reordering a float32 sum of n terms moves it by about
   # sqrt(n) u (u = 2**-24) relative to the sum of their magnitudes, at most
   # (n - 1) u; this net's sums run over at most n = 32 * 32 * 32 (BatchNorm
-  # statistics of the first layers), through ResNet18's 20 BatchNorm layers
-  # and the mean loss: 20 * sqrt(32768) * 2**-24 = 2.2e-4 relative. 1e-3
-  # leaves a margin of 4; a wrong batch (other examples, a shifted label) or
-  # per-device BatchNorm statistics move the loss by more than 1e-2.
+  # statistics), through its 3 BatchNorm layers and the mean loss (ResNet18's
+  # 20 would give 20 * sqrt(32768) * 2**-24 = 2.2e-4 relative): 1e-3 leaves
+  # a margin of 4 even for ResNet18; a wrong batch (other examples, a shifted
+  # label) or per-device BatchNorm statistics move the loss by more than 1e-2.
   rel = 1e-3
   assert b["loss"] == pytest.approx(a["loss"], rel=rel), (a, b)
   assert four["test_loss"] == pytest.approx(one["test_loss"], rel=rel)
@@ -300,6 +316,7 @@ def test_one_device_and_four_devices_agree(
 def test_cifar10_from_an_archive_in_the_manual_dir(
   make_config, tmp_path, monkeypatch
 ):
+  one_block_models(monkeypatch)
   # A tiny archive in the official binary format, placed offline: the run
   # prepares it (ArrayRecord) without probing the network, and trains on it.
   monkeypatch.setattr(data_sources, "network_available", no_probe)
