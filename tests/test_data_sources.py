@@ -110,16 +110,28 @@ def test_the_printed_command_prepares_the_placed_archive(tmp_path):
 
 
 def listening_socket(backlog_full: bool):
+  """A loopback server that listens and never accepts.
+
+  With ``backlog_full``, blocking connections fill its accept queue until one
+  times out: from then on the kernel drops new SYNs, so a connection to it
+  never opens (Linux accepts one or two connections past ``listen(0)``).
+  """
   server = socket.socket()
   server.bind(("127.0.0.1", 0))
   server.listen(0)
   clients = []
-  if backlog_full:  # Fill the queue: the kernel then drops new SYNs.
-    for _ in range(4):
+  if backlog_full:
+    for _ in range(16):
       c = socket.socket()
-      c.setblocking(False)
-      c.connect_ex(server.getsockname())
+      c.settimeout(0.3)
+      try:
+        c.connect(server.getsockname())
+      except (TimeoutError, socket.timeout):
+        c.close()
+        break
       clients.append(c)
+    else:
+      raise AssertionError("16 connections opened without an accept")
   return server, clients
 
 
@@ -135,21 +147,14 @@ def test_network_probe_on_loopback():
 
 def test_network_probe_gives_up_on_a_connection_that_never_opens():
   server, clients = listening_socket(backlog_full=True)
-  with server:
-    probe = socket.socket()
-    probe.settimeout(0.5)
-    try:
-      probe.connect(server.getsockname())
-      pytest.skip(
-        "this kernel accepts past the listen backlog"
-      )  # pragma: no cover
-    except (TimeoutError, socket.timeout):
-      pass
-    finally:
-      probe.close()
-    assert not data_sources.network_available(server.getsockname(), timeout=0.5)
-  for c in clients:
-    c.close()
+  try:
+    with server:
+      assert not data_sources.network_available(
+        server.getsockname(), timeout=0.5
+      )
+  finally:
+    for c in clients:
+      c.close()
 
 
 def test_unknown_dataset():
