@@ -51,6 +51,14 @@ class BatchSource(Protocol):
   def batch(self, state: steps.TrainState, *args: Any) -> tuple[Any, Any]:
     """``(images, labels)`` that a step on ``args`` of `epoch` trains on."""
 
+  def step_args_like(self) -> tuple[Any, ...]:
+    """What `epoch` yields, as shapes, dtypes and shardings only.
+
+    Lets `jit_step`'s step be traced and compiled before any batch exists
+    (`jax.jit(...).trace(state, *args, metrics)`); a step called later on
+    the real arguments then finds it in jax's caches.
+    """
+
 
 def prefetch(
   items: Iterable[Any], size: int, transform: Callable[[Any], Any]
@@ -128,6 +136,7 @@ class HostStream:
     self._replicated = replicated
     self._batch_sharding = batch_sharding
     self._prefetch = prefetch_batches
+    self._image_shape = tuple(data.train_images.shape[1:])
 
   def jit_step(self, train_step):
     """``train_step`` jitted over host batches: ``(state, x, y, metrics)``."""
@@ -159,6 +168,16 @@ class HostStream:
     """The step's batch is its arguments."""
     del state
     return images, labels
+
+  def step_args_like(self):
+    """float32 images (`host_stream.normalize`) and int32 labels."""
+    b, sharding = self._plan_args["batch_size"], self._batch_sharding
+    return (
+      jax.ShapeDtypeStruct(
+        (b, *self._image_shape), np.float32, sharding=sharding
+      ),
+      jax.ShapeDtypeStruct((b,), np.int32, sharding=sharding),
+    )
 
 
 class DeviceResident:
@@ -222,3 +241,16 @@ class DeviceResident:
     """The batch gathered and augmented as the step does it."""
     del state
     return self._batch(*args)
+
+  def step_args_like(self):
+    """The resident arrays, an epoch's plan and an int32 step index."""
+    steps_ = host_stream.steps_per_epoch(
+      self._num_examples, self._plan_args["batch_size"]
+    )
+    b = self._plan_args["batch_size"]
+    plan = (
+      jax.ShapeDtypeStruct((steps_, b), np.int32, sharding=self._replicated),
+      jax.ShapeDtypeStruct((steps_, b, 2), np.int32, sharding=self._replicated),
+      jax.ShapeDtypeStruct((steps_, b), np.bool_, sharding=self._replicated),
+    )
+    return (*self._arrays, *plan, jax.ShapeDtypeStruct((), np.int32))

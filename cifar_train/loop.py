@@ -26,6 +26,7 @@ writer) are context managers, closed on every exit, errors included.
 import contextlib
 import dataclasses
 import json
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -195,19 +196,22 @@ def set_up(
   )
 
 
-def restore(job: Job, manager) -> tuple[steps.TrainState, Optional[str]]:
+def restore(
+  job: Job, manager, init: Optional[Callable[[], steps.TrainState]] = None
+) -> tuple[steps.TrainState, Optional[str]]:
   """The state to start from, replicated over the mesh, and where from.
 
   The workdir's newest usable checkpoint (`checkpoint.restore_latest`)
   takes precedence over ``init_from``; with neither, a fresh state.
+  ``init`` is `steps.make_init` of the job, when the caller has made it.
 
   Returns:
     ``(state, path of the checkpoint or None)``.
   """
   s = job.settings
-  state = steps.create_train_state(
-    job.model, job.optimizer, job.data.image_shape, seed=s.seed
-  )
+  if init is None:
+    init = make_init(job)
+  state = init()
   faults_lib.check(job.faults, state.params)
   state, resumed = ckpt_lib.restore_latest(manager, state)
   if job.initial is not None and not resumed:
@@ -228,6 +232,13 @@ def restore(job: Job, manager) -> tuple[steps.TrainState, Optional[str]]:
         flush=True,
       )
   return state, resumed
+
+
+def make_init(job: Job) -> Callable[[], steps.TrainState]:
+  """The job's jitted fresh-state initialiser (`steps.make_init`)."""
+  return steps.make_init(
+    job.model, job.optimizer, job.data.image_shape, seed=job.settings.seed
+  )
 
 
 def make_batch_source(job: Job) -> batches_lib.BatchSource:
@@ -346,6 +357,43 @@ def compile_steps(
     compiler_options=jaxmp.cpu_compiler_options() or None,
   )
   return step_fn, eval_step
+
+
+def compile_ahead(
+  job: Job,
+  source: batches_lib.BatchSource,
+  step_fn,
+  state_like: steps.TrainState,
+) -> threading.Thread:
+  """Starts compiling ``step_fn`` on a daemon thread; join it before a step.
+
+  The step is traced on shapes alone (``state_like``, e.g.
+  ``init.trace().out_info``, and `BatchSource.step_args_like`), so that its
+  tracing and XLA's compilation (or the persistent cache's load) overlap
+  the state's initialisation and restore. The first real step then finds
+  the executable in jax's caches. An error here is dropped: the first step
+  compiles again and raises it there, with its traceback.
+  """
+  replicated = job.replicated
+
+  def like(x):
+    return jax.ShapeDtypeStruct(
+      x.shape, x.dtype, weak_type=x.weak_type, sharding=replicated
+    )
+
+  def work():
+    try:
+      state = jax.tree.map(like, state_like)
+      metrics = jax.tree.map(
+        like, jax.eval_shape(steps.zero_metrics, state_like.opt_state)
+      )
+      step_fn.trace(state, *source.step_args_like(), metrics).lower().compile()
+    except Exception:  # pylint: disable=broad-except
+      pass  # Raised again by the first step, where it belongs.
+
+  thread = threading.Thread(target=work, daemon=True, name="compile-ahead")
+  thread.start()
+  return thread
 
 
 def evaluate(
@@ -575,9 +623,15 @@ def train(
     # The batch source first: it pads the data set on a background thread
     # while `restore` initialises the state.
     source = make_batch_source(job)
-    state, resumed = restore(job, manager)
-    job, state = settle_precision(job, state, source, resumed)
-    step_fn, eval_step = compile_steps(job, source)
+    init = make_init(job)
+    ahead = None
+    if not job.precision.calibrate:  # Else the optimizer is not final yet.
+      step_fn, eval_step = compile_steps(job, source)
+      ahead = compile_ahead(job, source, step_fn, init.trace().out_info)
+    state, resumed = restore(job, manager, init)
+    if ahead is None:
+      job, state = settle_precision(job, state, source, resumed)
+      step_fn, eval_step = compile_steps(job, source)
     reporter = resources.enter_context(
       reporting.Reporter(
         workdir,
@@ -592,6 +646,8 @@ def train(
     train = {"loss": float("nan"), "accuracy": float("nan")}
     test = None
     step = int(state.step)
+    if ahead is not None:
+      ahead.join()  # Compiled: the first step finds it in jax's caches.
     while step < job.total_steps:
       state, train = train_epoch(
         job,

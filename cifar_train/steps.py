@@ -158,19 +158,16 @@ def init_compiler_options() -> Optional[dict[str, Any]]:
   return {"xla_backend_optimization_level": 1}
 
 
-def create_train_state(
+def make_init(
   model: models.ResNet,
   optimizer: optax.GradientTransformation,
   image_shape: Sequence[int],
   *,
   seed: int,
-) -> TrainState:
-  """Initialises params (in the param dtype), BatchNorm stats and opt state.
+) -> Callable[[], TrainState]:
+  """The jitted ``init() -> TrainState`` of `create_train_state`.
 
-  One jitted program: run eagerly, the optimizer's ``init`` would dispatch
-  (and, from the persistent cache, load) one small executable per op, about
-  a second of every start-up. On CPU it is compiled at LLVM optimisation
-  level 1 (`init_compiler_options`).
+  ``init.trace().out_info`` gives the state's shapes without running it.
   """
 
   @functools.partial(jax.jit, compiler_options=init_compiler_options())
@@ -188,7 +185,24 @@ def create_train_state(
       rng=jax.random.key_data(data_key),
     )
 
-  return init()
+  return init
+
+
+def create_train_state(
+  model: models.ResNet,
+  optimizer: optax.GradientTransformation,
+  image_shape: Sequence[int],
+  *,
+  seed: int,
+) -> TrainState:
+  """Initialises params (in the param dtype), BatchNorm stats and opt state.
+
+  One jitted program (`make_init`): run eagerly, the optimizer's ``init``
+  would dispatch (and, from the persistent cache, load) one small executable
+  per op, about a second of every start-up. On CPU it is compiled at LLVM
+  optimisation level 1 (`init_compiler_options`).
+  """
+  return make_init(model, optimizer, image_shape, seed=seed)()
 
 
 # What reading a state dict file raises when the file, not the code, is wrong:

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 
+import jax
 import PIL.Image
 import pytest
 
@@ -25,6 +26,7 @@ from cifar_train import data_sources
 from cifar_train import loop
 from cifar_train import reporting
 from cifar_train import settings
+from cifar_train import steps
 from cifar_train.errors import ConfigError
 from configs import default
 
@@ -213,6 +215,44 @@ def test_the_named_steps_run_alone(
   assert int(state.step) == 3 and test["count"] == 100
   # Saved at step 2 (every 2) and at the run's end, 3.
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "3"]
+
+
+@pytest.mark.parametrize("data_on_device", [False, True])
+def test_compile_ahead_leaves_the_first_step_nothing_to_trace(
+  make_config, data_dir, tiny_data, tmp_path, monkeypatch, data_on_device
+):
+  one_block_models(monkeypatch)
+  traces = []
+
+  def counting(make_train_step):
+    def make(*args, **kwargs):
+      train_step = make_train_step(*args, **kwargs)
+
+      def step(*a):
+        traces.append(1)  # Runs once per trace.
+        return train_step(*a)
+
+      return step
+
+    return make
+
+  monkeypatch.setattr(steps, "make_train_step", counting(steps.make_train_step))
+  s = settings.resolve(
+    make_config(data_dir, num_train_steps=1, data_on_device=data_on_device)
+  )
+  job = loop.set_up(s, tiny_data)
+  source = loop.make_batch_source(job)
+  init = loop.make_init(job)
+  step_fn, _ = loop.compile_steps(job, source)
+  loop.compile_ahead(job, source, step_fn, init.trace().out_info).join()
+  assert len(traces) == 1
+  with checkpoint.open_manager(str(tmp_path), keep=2) as manager:
+    state, _ = loop.restore(job, manager, init)
+  metrics = jax.device_put(steps.zero_metrics(state.opt_state), job.replicated)
+  (args,) = source.epoch(state, 0, 0, 1)
+  state, metrics = step_fn(state, *args, metrics)
+  assert int(state.step) == 1 and int(metrics["count"]) == s.batch_size
+  assert len(traces) == 1  # The step ran what compile_ahead compiled.
 
 
 @pytest.mark.invariant
