@@ -150,7 +150,7 @@ def main() -> None:
   )
   torch_runs = [
     time_until([sys.executable, "-c", script], MARK_TORCH, env)
-    for _ in range(2)
+    for _ in range(3)
   ]
   rows.append(("PyTorch seed script", statistics.median(torch_runs)))
   shutil.rmtree(tmp, ignore_errors=True)
