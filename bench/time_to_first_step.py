@@ -5,9 +5,11 @@ Run: ``pip install -e .[dev,bench]``, then
 
 For ``configs/smoke.py`` and ``configs/seed.py`` it launches ``train.py``
 three times: with an empty persistent compilation cache (cold), then twice
-with the cache that the cold run filled (warm). It times each from the
-launch to the line the app prints when its first step is done (imports,
-data, model init, compile, one step), then stops the process. The seed's
+with the cache that the cold run filled (warm); the seed's PyTorch script
+runs after each round (median of three), so that the two sides share the
+machine's load. It times each from the launch to the line the app prints
+when its first step is done (imports, data, model init, compile, one
+step), then stops the process. The seed's
 PyTorch script is timed the same way: ``import torch``, torchvision's
 ResNet18 (``bench/_torch_resnet.py``'s copy when torchvision does not
 import), SGD 0.1/0.9, the first batch of 128 normalised images, one step.
@@ -121,12 +123,19 @@ def main() -> None:
       MARK_JAX,
       env,
     )
-  rows, results = [], {}
-  for name, args in jobs.items():
-    cache = os.path.join(tmp, "jit-" + name)
-    runs = []
-    for i in range(3):
-      runs.append(
+  script = TORCH_SEED.format(
+    bench=os.path.join(ROOT, "bench"),
+    mark=MARK_TORCH,
+    batches=os.path.join(unpacked, "cifar-10-batches-bin"),
+  )
+  # Three rounds, interleaved so that a change of the machine's load hits
+  # both sides: each job once (the first round cold, then warm), then torch.
+  results = {name: [] for name in jobs}
+  torch_runs = []
+  for i in range(3):
+    for name, args in jobs.items():
+      cache = os.path.join(tmp, "jit-" + name)
+      results[name].append(
         time_until(
           [
             sys.executable,
@@ -140,18 +149,13 @@ def main() -> None:
           env,
         )
       )
-    results[name] = runs
+    torch_runs.append(
+      time_until([sys.executable, "-c", script], MARK_TORCH, env)
+    )
+  rows = []
+  for name, runs in results.items():
     rows.append((f"train.py {name} cold", runs[0]))
     rows.append((f"train.py {name} warm", statistics.median(runs[1:])))
-  script = TORCH_SEED.format(
-    bench=os.path.join(ROOT, "bench"),
-    mark=MARK_TORCH,
-    batches=os.path.join(unpacked, "cifar-10-batches-bin"),
-  )
-  torch_runs = [
-    time_until([sys.executable, "-c", script], MARK_TORCH, env)
-    for _ in range(3)
-  ]
   rows.append(("PyTorch seed script", statistics.median(torch_runs)))
   shutil.rmtree(tmp, ignore_errors=True)
   print(f"{'job':<28} {'seconds to first step':>22}")
