@@ -9,7 +9,9 @@ test can call alone:
 * `restore`: the fresh state, or the workdir's newest usable checkpoint, or
   ``init_from``'s weights; replicated on the mesh;
 * `settle_precision` and `compile_steps`: the calibrated loss scale, then the
-  jitted train and eval steps;
+  jitted train and eval steps; without calibration the steps come first and
+  `compile_ahead` compiles the train step on a thread, from shapes, while
+  `restore` runs;
 * `train_epoch`: the steps of one epoch, with logging, the health check and
   checkpoint saves;
 * `evaluate`: loss and accuracy over the test set, summed on the devices;
