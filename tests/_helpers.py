@@ -160,6 +160,25 @@ def is_valid_crop(out: np.ndarray, image: np.ndarray) -> bool:
   return any(np.array_equal(out, c) for c in crop_options(image))
 
 
+def conv_f64(x, w, stride, pad):
+  """NHWC x HWIO -> NHWC in float64 with zero padding (numpy, by taps)."""
+  x = np.pad(
+    np.asarray(x, np.float64), ((0, 0), (pad, pad), (pad, pad), (0, 0))
+  )
+  w = np.asarray(w, np.float64)
+  kh, kw = w.shape[:2]
+  ho = (x.shape[1] - kh) // stride + 1
+  wo = (x.shape[2] - kw) // stride + 1
+  out = 0
+  for dy in range(kh):
+    for dx in range(kw):
+      patch = x[
+        :, dy : dy + stride * ho : stride, dx : dx + stride * wo : stride
+      ]
+      out = out + np.einsum("nhwi,io->nhwo", patch, w[dy, dx])
+  return out
+
+
 def read_jsonl(path: str) -> list[dict]:
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]

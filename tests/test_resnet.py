@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from _helpers import conv_f64
+
 from jaxmp._src import resnet
 
 f16, f32 = jnp.float16, jnp.float32
@@ -99,22 +101,6 @@ def _train_step_fn(model, loss_scale=LOSS_SCALE):
     return loss, logits, stats, grads
 
   return step
-
-
-def _conv64(x, w, stride, pad):
-  """NHWC x HWIO -> NHWC in float64 with zero padding (numpy, by taps)."""
-  x = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-  kh, kw = w.shape[:2]
-  ho = (x.shape[1] - kh) // stride + 1
-  wo = (x.shape[2] - kw) // stride + 1
-  out = 0
-  for dy in range(kh):
-    for dx in range(kw):
-      patch = x[
-        :, dy : dy + stride * ho : stride, dx : dx + stride * wo : stride
-      ]
-      out = out + np.einsum("nhwi,io->nhwo", patch, w[dy, dx])
-  return out
 
 
 def _rel_err(a, b):
@@ -350,7 +336,7 @@ class ResNetTest(parameterized.TestCase):
     # 0.9, c = n / (n - 1) (torch's unbiased variance) or 1. y in float64:
     kernel = np.asarray(variables["params"]["conv1"]["kernel"], np.float64)
     x64 = np.asarray(x, np.float64)
-    y = _conv64(x64, kernel, stride, pad)
+    y = conv_f64(x64, kernel, stride, pad)
     n = y.size // y.shape[-1]
     c = n / (n - 1) if kwargs.get("unbiased_running_var") else 1.0
     m, u = 0.9, 2.0**-24
@@ -361,7 +347,7 @@ class ResNetTest(parameterized.TestCase):
     # the mean magnitude (plus what y's error brings); var = mean(y^2) -
     # mean(y)^2 and the running update add a few roundings of their size.
     k = kernel.shape[0] * kernel.shape[1] * kernel.shape[2]
-    dy = np.max(k * u * _conv64(np.abs(x64), np.abs(kernel), stride, pad))
+    dy = np.max(k * u * conv_f64(np.abs(x64), np.abs(kernel), stride, pad))
     axes = (0, 1, 2)
     mean, mean_sq = y.mean(axes), np.mean(y**2, axes)
     d_mean = dy + n * u * np.abs(y).mean(axes)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from _helpers import FAST_COMPILE
+from _helpers import conv_f64
 from jaxmp import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,18 +75,8 @@ def torch_state_dict(arch, seed=0, f=FILTERS, classes=CLASSES):
 
 def _conv(x, w, stride, pad):
   """NCHW x OIHW -> NCHW in float64, torch's zero padding."""
-  x = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
-  k = w.shape[-1]
-  ho = (x.shape[2] - k) // stride + 1
-  wo = (x.shape[3] - k) // stride + 1
-  out = 0
-  for dy in range(k):
-    for dx in range(k):
-      patch = x[
-        :, :, dy : dy + stride * ho : stride, dx : dx + stride * wo : stride
-      ]
-      out = out + np.einsum("nihw,oi->nohw", patch, w[:, :, dy, dx])
-  return out
+  y = conv_f64(x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0), stride, pad)
+  return y.transpose(0, 3, 1, 2)
 
 
 def _bn(x, sd, name):
