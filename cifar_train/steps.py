@@ -225,6 +225,18 @@ except ImportError:  # pragma: no cover - safetensors is in the dev extra.
   pass
 
 
+# Of those, the errors whose own message is the whole story: a missing reader,
+# an unknown format, a file that is not there or cannot be opened. The rest
+# come from reading a damaged file, and their messages rarely say so.
+_SAYS_WHY = (
+  ImportError,
+  ValueError,
+  FileNotFoundError,
+  IsADirectoryError,
+  PermissionError,
+)
+
+
 def load_torch_weights(
   path: str, *, model_name: str, num_classes: int, num_filters: int
 ) -> dict[str, Any]:
@@ -242,7 +254,12 @@ def load_torch_weights(
   try:
     state_dict = models.read_state_dict(path)
   except _UNREADABLE as e:
-    raise ConfigError(f"init_from {path}: {e}") from None
+    if isinstance(e, _SAYS_WHY):
+      raise ConfigError(f"init_from {path}: {e}") from None
+    raise ConfigError(
+      f"init_from {path}: the file is damaged or cut short "
+      f"({type(e).__name__}: {e})"
+    ) from None
   try:
     variables = models.from_torchvision(
       state_dict,

@@ -171,8 +171,14 @@ def test_init_from_errors_keep_their_class(tmp_path, monkeypatch):
   damaged = tmp_path / "weights.npz"
   damaged.write_bytes(b"PK\x03\x04 not a zip archive")
   args = dict(model_name="resnet18", num_classes=10, num_filters=4)
-  with pytest.raises(errors.ConfigError, match="init_from .*weights.npz"):
+  with pytest.raises(
+    errors.ConfigError,
+    match="init_from .*weights.npz: the file is damaged or cut short",
+  ):
     steps.load_torch_weights(str(damaged), **args)
+  with pytest.raises(errors.ConfigError, match="No such file") as missing:
+    steps.load_torch_weights(str(tmp_path / "missing.npz"), **args)
+  assert "damaged" not in str(missing.value)
 
   def bug(path):
     raise KeyError("a bug in the reader")
