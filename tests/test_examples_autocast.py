@@ -106,7 +106,10 @@ def test_flax_mnist_example_trains_like_fp32_early_on():
   assert int(jaxmp.stats(auto["opt_state"])["skipped_steps"]) == 0
   moved = jax.tree.map(lambda x: bool(jnp.any(x != 0)), auto["stats"])
   assert any(m for m in jax.tree.leaves(moved))
-  assert 0.0 <= auto["test_accuracy"] <= 1.0
+  # A fraction of MNIST_ARGS' 64 test images, above chance (6.4): 15 on
+  # this data (14 in fp32).
+  correct = auto["test_accuracy"] * 64
+  assert correct == round(correct) and correct > 64 / 10, correct
 
 
 def test_flax_mnist_example_imports_tfds_only_for_real_data():
