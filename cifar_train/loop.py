@@ -630,6 +630,8 @@ def train(
     if not job.precision.calibrate:  # Else the optimizer is not final yet.
       step_fn, eval_step = compile_steps(job, source)
       ahead = compile_ahead(job, source, step_fn, init.trace().out_info)
+      # On an error before the first step, too: no compile outlives `train`.
+      resources.callback(ahead.join)
     state, resumed = restore(job, manager, init)
     if ahead is None:
       job, state = settle_precision(job, state, source, resumed)

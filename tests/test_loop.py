@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import threading
 
 import jax
 import PIL.Image
@@ -174,6 +175,9 @@ def test_an_error_while_restoring_closes_the_manager(
       make_config(data_dir), str(tmp_path / "run"), data=tiny_data
     )
   assert closed == ["checkpoints"]
+  # The train step's compile (`loop.compile_ahead`) was joined, not left
+  # running after the error.
+  assert "compile-ahead" not in [t.name for t in threading.enumerate()]
 
 
 def test_the_named_steps_run_alone(
