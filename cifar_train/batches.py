@@ -130,7 +130,7 @@ class HostStream:
   ):
     self._num_examples = len(data.train_images)
     self._batches = host_stream.HostBatches(
-      data.train_images, data.train_labels, mean=mean, std=std
+      data.train_images, data.train_labels, mean=mean, std=std, crops=augment
     )
     self._plan_args = dict(seed=seed, batch_size=batch_size, augment=augment)
     self._replicated = replicated

@@ -13,11 +13,16 @@ to provide the data, instead of letting tfds retry for minutes.
 
 import dataclasses
 import glob
+import io
 import json
+import math
+import mmap
 import os
 import socket
+import struct
 import threading
 import zipfile
+import zlib
 from typing import Optional
 
 import numpy as np
@@ -48,6 +53,9 @@ _DECODED_VERSION = 1
 @dataclasses.dataclass(frozen=True)
 class Dataset:
   """Both splits in host memory.
+
+  The images are read-only where they are mapped from a split's decoded
+  copy (`read_split`).
 
   Attributes:
     train_images: uint8 ``[N, H, W, 3]``.
@@ -225,17 +233,63 @@ def _split_files(source: tfds.core.DatasetBuilder, split: str) -> dict:
   return key
 
 
+def _mapped(path: str, archive: zipfile.ZipFile, name: str) -> np.ndarray:
+  """Array ``name`` of the uncompressed ``.npz`` at ``path``, memory-mapped.
+
+  Read-only and backed by the page cache, where a previous run left the
+  file: no copy in the process's own memory, which on a VM can cost seconds
+  to touch (the host hands each page back first). The member's CRC-32 is
+  checked, as reading it would.
+
+  Raises:
+    zipfile.BadZipFile: the member is damaged.
+    OSError, ValueError: it cannot be mapped (compressed, a file system
+      without ``mmap``, an ``.npy`` header this reader does not know).
+  """
+  info = archive.getinfo(f"{name}.npy")
+  if info.compress_type != zipfile.ZIP_STORED:
+    raise ValueError(f"{name}.npy is compressed")
+  with open(path, "rb") as f:
+    f.seek(info.header_offset)
+    local = f.read(30)  # The member's local header, then its name and extra.
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+      raise zipfile.BadZipFile(f"{name}.npy: no local header")
+    name_len, extra_len = struct.unpack("<HH", local[26:])
+    start = info.header_offset + 30 + name_len + extra_len
+    whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+  member = memoryview(whole)[start : start + info.file_size]
+  if len(member) != info.file_size or zlib.crc32(member) != info.CRC:
+    raise zipfile.BadZipFile(f"{name}.npy: bad CRC-32")
+  header = io.BytesIO(member[: min(len(member), 1 << 16)])
+  version = np.lib.format.read_magic(header)
+  if version == (1, 0):
+    shape, fortran, dtype = np.lib.format.read_array_header_1_0(header)
+  elif version == (2, 0):
+    shape, fortran, dtype = np.lib.format.read_array_header_2_0(header)
+  else:
+    raise ValueError(f"{name}.npy: .npy version {version}")
+  if fortran or dtype.hasobject:
+    raise ValueError(f"{name}.npy: not a C-ordered plain array")
+  count = math.prod(shape)
+  return np.frombuffer(member, dtype, count, header.tell()).reshape(shape)
+
+
 def _read_decoded(path: str, key: dict):
   """The decoded copy's ``(images, labels)``, or None.
 
   None when there is no copy, it was made from other record files than
-  ``key`` names, or it is damaged.
+  ``key`` names, or it is damaged. The images are memory-mapped
+  (`_mapped`), read-only; read into memory where they cannot be.
   """
   try:
     with np.load(path, allow_pickle=False) as f:
       if json.loads(f["key"].tobytes().decode()) != key:
         return None
-      images, labels = f["images"], f["labels"]
+      labels = f["labels"]
+      try:
+        images = _mapped(path, f.zip, "images")
+      except (OSError, ValueError):
+        images = f["images"]
   except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
     return None  # Derived data: read the records again and rewrite it.
   if (
@@ -274,8 +328,9 @@ def read_split(
   The first read goes through the ArrayRecord data source (`read_records`)
   and writes the pixels and labels beside the records as one uncompressed
   ``.npz`` (``<name>-<split>.decoded-uint8.npz``, keyed by the record files'
-  names, sizes and mtimes); later runs load that file (~0.1 s for CIFAR10
-  instead of ~1 s of record parsing, more for image folders of JPEGs).
+  names, sizes and mtimes); later runs map that file's pixels read-only
+  (`_mapped`; 0.07 s for CIFAR10 instead of ~1 s of record parsing, more
+  for image folders of JPEGs).
   A stale or damaged copy is rewritten; a read-only data dir gets none.
 
   Args:

@@ -187,14 +187,29 @@ class _InBackground:
     return value
 
 
+class _Done:
+  """A value already there, behind `_InBackground`'s interface."""
+
+  def __init__(self, value):
+    self._value = value
+
+  def result(self):
+    return self._value
+
+
 class HostBatches:
   """Training batches of one data set, built in numpy on the host.
 
   The data set is padded once (`pad`); a batch is one fancy index into it
   (each pixel's three bytes read as one item) and `normalize`. The padding
-  (a 150 MB copy for CIFAR10, ~0.4 s) runs on a background thread from
-  construction, so that it overlaps the caller's start-up (numpy releases
-  the GIL); the first batch waits for it.
+  (a 240 MB copy for CIFAR10, ~0.1 s when the memory is already the
+  process's, seconds on a VM that must first hand it back) runs on a
+  background thread from construction, so that it overlaps the caller's
+  start-up (numpy releases the GIL); the first batch waits for it.
+
+  ``crops=False`` (for plans drawn with ``augment=False``, whose crops are
+  the images themselves) skips the copy and gathers from ``images`` as they
+  are: the same batches, bit for bit; a plan with other crops is refused.
   """
 
   def __init__(
@@ -204,14 +219,19 @@ class HostBatches:
     *,
     mean: Sequence[float],
     std: Sequence[float],
+    crops: bool = True,
   ):
     n, self._h, self._w, c = images.shape
-    self._ph, self._pw = self._h + 2 * PAD, self._w + 2 * PAD
+    self._crops = crops
+    border = PAD if crops else 0  # Around each image, in the gathered array.
+    self._ph, self._pw = self._h + 2 * border, self._w + 2 * border
     images = np.ascontiguousarray(images, np.uint8)
     # One item per pixel: a gather moves C bytes at once.
-    self._padding = _InBackground(
-      lambda: pad(images).view(np.dtype((np.void, c))).reshape(-1)
-    )
+    pixel = np.dtype((np.void, c))
+    if crops:
+      self._padding = _InBackground(lambda: pad(images).view(pixel).reshape(-1))
+    else:
+      self._padding = _Done(images.view(pixel).reshape(-1))
     self._channels = c
     self._labels = np.asarray(labels, np.int32)
     self._scale, self._bias = normalization(mean, std)
@@ -219,6 +239,13 @@ class HostBatches:
 
   def batch(self, index, offsets, flips) -> Batch:
     """The normalised crops of examples ``index`` (int ``[b]``)."""
+    if not self._crops:
+      if np.any(offsets != PAD):
+        raise ValueError(
+          "HostBatches(crops=False) serves plans without crops "
+          "(epoch_plan(..., augment=False)); this plan has crops"
+        )
+      offsets = offsets - PAD
     rows, cols = crop_rows_cols(offsets, flips, self._h, self._w)
     flat = (
       index.astype(np.intp)[:, None, None] * (self._ph * self._pw)
@@ -303,7 +330,7 @@ def train_batches(
       f"batch_size {batch_size} is not divisible by {process_count} processes."
     )
   plan = epoch_plan(seed, epoch, len(images), batch_size, augment)
-  batches = HostBatches(images, labels, mean=mean, std=std)
+  batches = HostBatches(images, labels, mean=mean, std=std, crops=augment)
   yield from batches.epoch(plan, start_batch, process_index, process_count)
 
 

@@ -49,6 +49,8 @@ def test_first_read_writes_the_copy_and_later_reads_use_it(source, monkeypatch):
     x, y = data_sources.read_split(source, split)
     assert x.dtype == np.uint8 and y.dtype == np.int32
     assert x.shape == (EXAMPLES[split == "test"], 32, 32, 3)
+    # Mapped from the file (the page cache), not copied into memory.
+    assert not x.flags.writeable and not x.flags.owndata
     np.testing.assert_array_equal(x, want[split][0])
     np.testing.assert_array_equal(y, want[split][1])
 
@@ -78,7 +80,9 @@ def test_records_prepared_again_make_the_copy_stale(source, monkeypatch):
   assert calls == ["train"]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "other shape"])
+@pytest.mark.parametrize(
+  "damage", ["truncated", "garbage", "flipped byte", "other shape"]
+)
 def test_a_damaged_copy_is_read_again_from_the_records(source, damage):
   x, y = data_sources.read_split(source, "train")
   path = _copy_path(source, "train")
@@ -88,6 +92,12 @@ def test_a_damaged_copy_is_read_again_from_the_records(source, damage):
   elif damage == "garbage":
     with open(path, "wb") as f:
       f.write(b"not an npz")
+  elif damage == "flipped byte":  # In the pixels, the file's bulk.
+    with open(path, "r+b") as f:
+      f.seek(os.path.getsize(path) // 2)
+      byte = f.read(1)
+      f.seek(-1, os.SEEK_CUR)
+      f.write(bytes([byte[0] ^ 1]))
   else:  # Valid file, right key, wrong content.
     with np.load(path) as f:
       key = f["key"]

@@ -17,7 +17,10 @@ STD = (0.2470, 0.2435, 0.2616)
 @pytest.mark.parametrize("augment", [True, False])
 def test_device_batch_is_the_host_batch_bit_for_bit(augment):
   images, labels = random_data(n=100)
-  host = host_stream.HostBatches(images, labels, mean=MEAN, std=STD)
+  # The host pads only for crops (the app's HostStream does the same).
+  host = host_stream.HostBatches(
+    images, labels, mean=MEAN, std=STD, crops=augment
+  )
   resident = jax.device_put(
     (
       host_stream.pad(images),

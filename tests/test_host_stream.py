@@ -50,6 +50,29 @@ def test_train_stream_without_augmentation_is_the_plain_images():
       np.testing.assert_array_equal(unnormalize(image), images[label])
 
 
+def test_without_crops_the_batches_are_those_of_the_padded_set(monkeypatch):
+  # augment=False: the unpadded set gives the padded set's batches, bit for
+  # bit, without the padded copy; a plan with crops is refused.
+  images, labels = random_data()
+  plain = host_stream.epoch_plan(0, 1, 100, 16, augment=False)
+  padded = host_stream.HostBatches(images, labels, mean=MEAN, std=STD)
+  pad = host_stream.pad
+  calls = []
+  monkeypatch.setattr(host_stream, "pad", lambda x: calls.append(1) or pad(x))
+  unpadded = host_stream.HostBatches(
+    images, labels, mean=MEAN, std=STD, crops=False
+  )
+  for want, got in zip(padded.epoch(plain), unpadded.epoch(plain)):
+    np.testing.assert_array_equal(
+      got["image"].view(np.uint32), want["image"].view(np.uint32)
+    )
+    np.testing.assert_array_equal(got["label"], want["label"])
+  assert not calls
+  cropped = host_stream.epoch_plan(0, 1, 100, 16, augment=True)
+  with pytest.raises(ValueError, match="without crops"):
+    next(unpadded.epoch(cropped))
+
+
 def test_train_stream_deterministic_per_seed_and_epoch():
   images, labels = random_data()
   a = collect(images, labels, epoch=3)
