@@ -622,8 +622,8 @@ def train(
     manager = resources.enter_context(
       ckpt_lib.open_manager(workdir, s.keep_checkpoints)
     )
-    # The batch source first: it pads the data set on a background thread
-    # while `restore` initialises the state.
+    # The batch source first: where it crops, it pads the data set on a
+    # background thread while `restore` initialises the state.
     source = make_batch_source(job)
     init = make_init(job)
     ahead = None
