@@ -15,6 +15,7 @@ Run (the corpus defaults to this file's own bytes)::
 """
 
 import argparse
+import functools
 import sys
 from typing import Any, Optional, Sequence
 
@@ -81,16 +82,15 @@ def loss_fn(apply_fn, params, tokens):
 
 
 def make_train_step(apply_fn, optimizer):
-  """The jitted step of one run: scaled loss, update, the unscaled loss."""
+  """The jitted step of one run: scaled gradients, update, the loss."""
 
   @jax.jit
   def step(params, opt_state, tokens):
-    def scaled(p):
-      loss = loss_fn(apply_fn, p, tokens)
-      return jaxmp.scale_loss(loss, opt_state), loss
-
-    grads, loss = jax.grad(scaled, has_aux=True)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
+    # The loss unscaled, the gradients of loss * scale.
+    loss, grads = jaxmp.value_and_grad(functools.partial(loss_fn, apply_fn))(
+      params, opt_state, tokens
+    )
+    updates, opt_state = optimizer.update(grads, opt_state, params, loss=loss)
     return optax.apply_updates(params, updates), opt_state, loss
 
   return step

@@ -1,17 +1,20 @@
-"""Flax's ``examples/mnist`` CNN in Apex O1 mixed precision: one autocast line.
+"""Flax's ``examples/mnist`` CNN in Apex O1 mixed precision: a few lines.
 
 Flax's MNIST example (an NNX CNN: two 3x3 convolutions with BatchNorm, dropout
 and 2x2 average pooling, then two dense layers; SGD 0.1, momentum 0.9) builds
-its model in fp32. Converting it to fp16 by hand takes ``dtype=`` on six layers
-and casts in and out. Here the model is left exactly as it is; the forward
-function goes through ``nnx.split``/``nnx.merge`` (a pure function of the
-params, the BatchNorm statistics and the batch) and one line puts it under
-`jaxmp.autocast`::
+its model in fp32 and trains it with ``nnx.Optimizer`` and
+``nnx.value_and_grad``. Converting it to fp16 by hand takes ``dtype=`` on six
+layers and casts in and out. Here the model, ``nnx.Optimizer`` and the
+``nnx.jit`` step are kept; the conversion is:
 
-    forward = jaxmp.autocast(forward)  # fp16 convs/products, fp32 the rest
-
-The BatchNorm statistics come back out of the forward pass and are kept, and
-`jaxmp.mixed_precision` scales the loss dynamically (fp16 gradients).
+* the optimizer's transform wrapped: ``jaxmp.mixed_precision(optax.sgd(...))``
+  (fp32 masters, a dynamic loss scale for the fp16 gradients);
+* the forward call under `jaxmp.autocast` (fp16 convolutions and products,
+  fp32 the rest): the model and the ``nnx.Rngs`` are passed in as they are,
+  and their BatchNorm statistics and RNG counters are written back;
+* ``nnx.value_and_grad`` replaced by `jaxmp.value_and_grad` (the loss scaled,
+  handed back unscaled) and ``loss=`` given to ``optimizer.update``;
+* a skipped step (an fp16 overflow) rolls the statistics back.
 
 Run (synthetic MNIST-shaped data; ``--data tfds`` reads real MNIST through
 tensorflow_datasets when it is installed and downloaded)::
@@ -57,24 +60,16 @@ class CNN(nnx.Module):
     return self.dense2(x)
 
 
-def make_forward(graphdef: Any, *, autocast: bool = True):
-  """``forward(params, stats, images, key, *, train) -> (logits, new_stats)``.
+def make_forward(*, autocast: bool = True):
+  """``forward(model, images, rngs=None) -> logits``: the model, called.
 
-  A pure function of plain dicts of arrays (``nnx.to_pure_dict``; ``key``:
-  raw ``uint32`` key data for dropout): ``nnx.merge`` rebuilds the model, the
-  call runs it, ``nnx.split`` hands back the updated BatchNorm statistics.
+  The NNX model and its ``nnx.Rngs`` are passed as they are; under
+  `jaxmp.autocast` their updates (BatchNorm statistics, the dropout RNG's
+  counter) are written back as without it.
   """
 
-  def forward(params, stats, images, key, *, train: bool):
-    model = nnx.merge(graphdef, params, stats)
-    if train:
-      model.train()
-    else:
-      model.eval()
-    rngs = nnx.Rngs(dropout=jax.random.wrap_key_data(key))
-    logits = model(images, rngs=rngs)
-    _, _, new_stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-    return logits, nnx.to_pure_dict(new_stats)
+  def forward(model, images, rngs=None):
+    return model(images, rngs=rngs)
 
   if autocast:
     forward = jaxmp.autocast(forward)  # The one line: Apex O1.
@@ -106,24 +101,25 @@ def tfds_mnist(split: str) -> dict[str, np.ndarray]:  # pragma: no cover
   }
 
 
-def create_train_step(forward, optimizer):
-  """The jitted step: scaled loss, fp16-safe update, statistics kept."""
+def loss_fn(forward, model, images, labels, rngs):
+  """Flax's loss: mean cross-entropy of the logits (fp32 from autocast)."""
+  logits = forward(model, images, rngs)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-  @jax.jit
-  def train_step(params, stats, opt_state, images, labels, key):
-    def loss_fn(p):
-      logits, new_stats = forward(p, stats, images, key, train=True)
-      loss = optax.softmax_cross_entropy_with_integer_labels(
-        logits, labels
-      ).mean()
-      return jaxmp.scale_loss(loss, opt_state), (loss, new_stats)
 
-    grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+def create_train_step(forward):
+  """Flax's ``nnx.jit`` step, with the loss scaled and a skipped step undone."""
+
+  @nnx.jit
+  def train_step(model, optimizer, images, labels, rngs):
+    stats = nnx.clone(nnx.state(model, nnx.BatchStat))  # For a rollback.
+    loss, grads = jaxmp.value_and_grad(functools.partial(loss_fn, forward))(
+      model, optimizer.opt_state, images, labels, rngs
+    )
+    optimizer.update(model, grads, loss=loss)
     # A skipped step (fp16 overflow) must not move the statistics either.
-    new_stats = jaxmp.rollback_if_skipped(opt_state, new_stats, stats)
-    return params, new_stats, opt_state, loss
+    jaxmp.rollback_if_skipped(optimizer.opt_state, model, stats)
+    return loss
 
   return train_step
 
@@ -151,56 +147,52 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     test = {k: v[args.num_train :] for k, v in data.items()}
 
   model = CNN(rngs=nnx.Rngs(args.seed))
-  graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-  params, stats = nnx.to_pure_dict(params), nnx.to_pure_dict(stats)
-  forward = make_forward(graphdef, autocast=args.precision == "autocast")
+  rngs = nnx.Rngs(dropout=args.seed)
+  forward = make_forward(autocast=args.precision == "autocast")
   # fp16 gradients need a dynamic loss scale (O1's, from 2**15); fp32 none.
   preset = "O1" if args.precision == "autocast" else "O0"
-  optimizer = jaxmp.mixed_precision(
-    optax.sgd(args.learning_rate, args.momentum),
-    loss_scale=jaxmp.get_preset(preset).loss_scale,
+  optimizer = nnx.Optimizer(
+    model,
+    jaxmp.mixed_precision(
+      optax.sgd(args.learning_rate, args.momentum),
+      loss_scale=jaxmp.get_preset(preset).loss_scale,
+    ),
+    wrt=nnx.Param,
   )
-  opt_state = optimizer.init(params)
-  train_step = create_train_step(forward, optimizer)
+  train_step = create_train_step(forward)
 
   rng = np.random.default_rng(args.seed)
-  key = jax.random.key_data(jax.random.key(args.seed))
   losses = []
   n = len(train["label"])
-  for step in range(args.steps):
+  model.train()
+  for _ in range(args.steps):
     idx = rng.choice(n, args.batch_size, replace=False)
-    params, stats, opt_state, loss = train_step(
-      params,
-      stats,
-      opt_state,
-      train["image"][idx],
-      train["label"][idx],
-      jax.random.key_data(
-        jax.random.fold_in(jax.random.wrap_key_data(key), step)
-      ),
+    loss = train_step(
+      model, optimizer, train["image"][idx], train["label"][idx], rngs
     )
     losses.append(loss)
   losses = [float(x) for x in jax.device_get(losses)]
 
-  eval_fn = jax.jit(lambda p, s, x: forward(p, s, x, key, train=False)[0])
+  model.eval()
+  eval_fn = nnx.jit(forward)
   correct = 0
   usable = len(test["label"]) - len(test["label"]) % args.batch_size
   for i in range(0, usable, args.batch_size):
     batch = slice(i, i + args.batch_size)
-    logits = eval_fn(params, stats, test["image"][batch])
+    logits = eval_fn(model, test["image"][batch])
     correct += int(jnp.sum(jnp.argmax(logits, -1) == test["label"][batch]))
   accuracy = correct / max(usable, 1)
   print(
     f"{args.precision}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in "
     f"{args.steps} steps, test accuracy {accuracy:.4f}, loss scale "
-    f"{float(jaxmp.stats(opt_state)['loss_scale']):g}"
+    f"{float(nnx.as_pure(jaxmp.stats(optimizer.opt_state))['loss_scale']):g}"
   )
   return {
     "losses": losses,
     "test_accuracy": accuracy,
-    "params": params,
-    "stats": stats,
-    "opt_state": opt_state,
+    "model": model,
+    "stats": nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)),
+    "opt_state": nnx.as_pure(optimizer.opt_state),
   }
 
 

@@ -31,7 +31,7 @@ def loss_fn(model, x, y):
 def train_step(model, opt, x, y):
   # The loss unscaled, the gradients of loss * scale (an nnx.State of Params).
   loss, grads = jaxmp.value_and_grad(loss_fn)(model, opt.opt_state, x, y)
-  opt.update(model, grads)  # unscales, skips on inf/nan, steps fp32 masters
+  opt.update(model, grads, loss=loss)  # unscales, skips on inf/nan, steps
   return loss
 
 

@@ -36,6 +36,7 @@ from jaxmp._src.policy import get_preset
 from jaxmp._src.policy import Preset
 from jaxmp._src.policy import PRESETS
 from jaxmp._src.rounding import stochastic_round
+from jaxmp._src.unscaled import UnscaledGradientsWarning
 from jaxmp._src.value_and_grad import value_and_grad
 
 __version__ = "0.1.0"
@@ -70,6 +71,7 @@ __all__ = (
   "scale_loss",
   "stats",
   "stochastic_round",
+  "UnscaledGradientsWarning",
   "value_and_grad",
 )
 

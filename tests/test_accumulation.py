@@ -12,6 +12,13 @@ import pytest
 from _helpers import dynamic_loss_scale
 import jaxmp
 
+# These tests give update gradients made by hand (scaled or not, on
+# purpose), as code that scales the loss by hand does: the documented
+# silence of the unscaled-gradients warning.
+pytestmark = pytest.mark.filterwarnings(
+  "ignore::jaxmp.UnscaledGradientsWarning"
+)
+
 
 def _run_windows(wrapper, values, k, stats0=0.0):
   """Runs microbatches with gradient ``value * scale`` and stats ``value``.

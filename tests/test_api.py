@@ -52,6 +52,7 @@ PUBLIC = {
     "scale_loss",
     "stats",
     "stochastic_round",
+    "UnscaledGradientsWarning",
     "value_and_grad",
   ),
   "jaxmp.nn": ("BatchNorm", "conv_general_dilated", "max_pool"),

@@ -14,6 +14,13 @@ from jax.sharding import PartitionSpec as P
 import jaxmp
 from _helpers import tiny_mlp_params
 
+# These tests give update gradients made by hand (scaled or not, on
+# purpose), as code that scales the loss by hand does: the documented
+# silence of the unscaled-gradients warning.
+pytestmark = pytest.mark.filterwarnings(
+  "ignore::jaxmp.UnscaledGradientsWarning"
+)
+
 SCALE = 2.0**8
 PATHS = (
   "['dense1']['bias']",

@@ -49,14 +49,28 @@ class TestPlacement:
     ids=["clip_before", "clip_after", "decay_after"],
   )
   def test_chained_is_an_error_that_shows_the_right_chain(self, build):
-    """Formerly silent: ``chain(clip, mp)``, ``chain(mp, clip)``..."""
+    """Formerly silent: ``chain(clip, mp)``, ``chain(mp, clip)``...
+
+    A transform before it is caught where the state is first seen; one
+    after it (its state is empty, like ``optax.identity()``'s, which is
+    allowed) when the chain runs ``update``, eager or traced.
+    """
     opt = build()
     params = _params()
     state = opt.init(params)
+
+    def step(params, state, x):
+      loss, grads = jaxmp.value_and_grad(_loss)(params, state, x)
+      return opt.update(grads, state, params, loss=loss)
+
+    def scale_then_update():
+      jaxmp.scale_loss(_loss(params, _x()), state)
+      opt.update(_params(), state, params)
+
     for call in (
-      lambda: jaxmp.value_and_grad(_loss)(params, state, _x()),
-      lambda: jaxmp.scale_loss(_loss(params, _x()), state),
-      lambda: jax.jit(jaxmp.value_and_grad(_loss))(params, state, _x()),
+      lambda: step(params, state, _x()),
+      scale_then_update,
+      lambda: jax.jit(step)(params, state, _x()),
     ):
       with pytest.raises(ValueError, match=r"outermost transform") as e:
         call()

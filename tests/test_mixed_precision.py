@@ -14,6 +14,13 @@ import pytest
 from _helpers import dynamic_loss_scale
 import jaxmp
 
+# These tests give update gradients made by hand (scaled or not, on
+# purpose), as code that scales the loss by hand does: the documented
+# silence of the unscaled-gradients warning.
+pytestmark = pytest.mark.filterwarnings(
+  "ignore::jaxmp.UnscaledGradientsWarning"
+)
+
 
 def _scale_trajectory(pattern, **kwargs):
   """Runs mixed_precision on a 1-param problem; returns the scale per step."""

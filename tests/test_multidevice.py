@@ -17,7 +17,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from _helpers import dynamic_loss_scale
 import jaxmp
 
-pytestmark = pytest.mark.devices(4)
+# These tests give update gradients made by hand (scaled or not, on
+# purpose), as code that scales the loss by hand does: the documented
+# silence of the unscaled-gradients warning.
+pytestmark = [
+  pytest.mark.devices(4),
+  pytest.mark.filterwarnings("ignore::jaxmp.UnscaledGradientsWarning"),
+]
 
 
 def _mesh():

@@ -39,6 +39,8 @@ from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _si
 
+from jaxmp._src import frames as _frames
+
 try:  # jax >= 0.4.36
   from jax._src.ad_util import Zero as _Zero
 except ImportError:  # pragma: no cover
@@ -595,18 +597,27 @@ class Described(NamedTuple):
   primitive: str
   source: str
   name_stack: str
+  layer: str = ""
+
+
+def _where(frame) -> str:
+  return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 
 def describe(eqn: Eqn) -> Described:
-  """The primitive, user source line and name stack of ``eqn``."""
+  """The primitive, user source line, name stack and layer of ``eqn``.
+
+  The source line is the first frame outside jax, Flax, Equinox and jaxmp
+  (the user's line that called the layer); ``layer`` is the first frame
+  outside jax when that is a library's (``flax/.../linear.py``), else "".
+  """
   info = eqn.source_info
-  frame = _si.user_frame(info.traceback)
-  source = (
-    f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
-    if frame
-    else "unknown"
-  )
-  return Described(eqn.primitive.name, source, str(info.name_stack))
+  frames = list(_si.user_frames(info.traceback))
+  user = _frames.first_user_frame(frames)
+  first = frames[0] if frames else None
+  source = _where(user or first) if (user or first) else "unknown"
+  layer = _where(first) if first is not None and first is not user else ""
+  return Described(eqn.primitive.name, source, str(info.name_stack), layer)
 
 
 def literal_value(x) -> np.ndarray:

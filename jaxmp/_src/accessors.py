@@ -16,9 +16,11 @@ import optax
 
 from jaxmp._src import accumulation
 from jaxmp._src import diagnostics as diag
+from jaxmp._src import master_weights as masters_lib
 from jaxmp._src import mixed_precision as mp
 from jaxmp._src import nnx_support
 from jaxmp._src import placement
+from jaxmp._src import unscaled
 
 
 def _host(x) -> np.ndarray:
@@ -36,12 +38,19 @@ class NonFiniteLossError(RuntimeError):
   """The loss itself was inf/NaN for many steps in a row (not an overflow)."""
 
 
-def find_state(opt_state: Any) -> mp.MixedPrecisionState:
+def _a(name: str) -> str:
+  return ("an " if name[:1].lower() in "aeiou" else "a ") + name
+
+
+def find_state(
+  opt_state: Any, what: str = "opt_state"
+) -> mp.MixedPrecisionState:
   """Returns the one `MixedPrecisionState` inside ``opt_state``.
 
   Args:
     opt_state: an optax state that contains exactly one `mixed_precision`
       state, at any depth.
+    what: how the error names ``opt_state`` (which argument it was).
 
   Returns:
     That state.
@@ -55,8 +64,8 @@ def find_state(opt_state: Any) -> mp.MixedPrecisionState:
   ]
   if not found:
     raise ValueError(
-      "no jaxmp.mixed_precision state found in opt_state "
-      f"(a {type(opt_state).__name__}); build the optimizer with "
+      f"no jaxmp.mixed_precision state found in {what} (got "
+      f"{_a(type(opt_state).__name__)}); build the optimizer with "
       "jaxmp.mixed_precision(...) and pass the state it initialised"
     )
   if len(found) > 1:
@@ -92,15 +101,22 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
   argument of it: one read from a global or a closure is a constant of the
   compiled program, with a stale scale; it warns once.
   """
-  state = locate(opt_state, "jaxmp.scale_loss")
+  state = locate(
+    opt_state,
+    "jaxmp.scale_loss",
+    "opt_state, the second argument of jaxmp.scale_loss(loss, opt_state)",
+  )
   return scaled(loss, state.loss_scale)
 
 
-def locate(opt_state: Any, caller: str) -> mp.MixedPrecisionState:
+def locate(
+  opt_state: Any, caller: str, what: str = "opt_state"
+) -> mp.MixedPrecisionState:
   """`find_state`, with the placement checked and a captured state warned."""
-  state = find_state(opt_state)
+  state = find_state(opt_state, what)
   placement.check_placement(opt_state, state)
   placement.warn_if_captured(state, caller)
+  unscaled.mark_scaled(state)
   return state
 
 
@@ -186,10 +202,12 @@ def master_params(opt_state: Any, params: Optional[Any] = None) -> Any:
   params = nnx_support.unwrap(params)
   masters = state.master_params
   if params is None:
+    # None: a param without a master. A Placeholder is no param at all
+    # (the None of an eqx.filter-ed field) and is handed back as None.
     missing = [
       jax.tree_util.keystr(path)
       for path, m in jax.tree_util.tree_leaves_with_path(
-        masters, is_leaf=lambda x: x is None
+        masters, is_leaf=masters_lib.is_empty
       )
       if m is None
     ]
@@ -200,7 +218,7 @@ def master_params(opt_state: Any, params: Optional[Any] = None) -> Any:
         "master_weights other than 'fp32' keep none; call "
         "jaxmp.master_params(opt_state, params)"
       )
-    return masters
+    return masters_lib.placeholders_to_none(masters)
   return mp.full_view(params, state)
 
 
@@ -346,6 +364,13 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
   the live variables, which the forward pass updates in place, and is
   rejected.
 
+  Which state: the one ``update`` returned for this step, ``updates,
+  opt_state = opt.update(grads, opt_state, params)`` then
+  ``rollback_if_skipped(opt_state, new, old)`` (NNX: ``opt.opt_state``
+  after ``opt.update``). The state from before ``update`` says whether the
+  *previous* step was applied; the very object ``update`` was given is
+  refused.
+
   Args:
     opt_state: the optax state *after* ``update`` for this step.
     new: the tree computed during this step (or an NNX model).
@@ -355,8 +380,9 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
     ``new`` where the step's gradients were finite, ``old`` elsewhere.
 
   Raises:
-    ValueError: for an `optax.MultiSteps` around ``mixed_precision``, and for
-      an ``old`` that holds the very NNX variables of ``new``.
+    ValueError: for an `optax.MultiSteps` around ``mixed_precision``, for
+      an ``old`` that holds the very NNX variables of ``new``, and for an
+      ``opt_state`` that was given to ``update`` (the pre-update state).
 
   >>> import jax.numpy as jnp, optax, jaxmp
   >>> opt = jaxmp.mixed_precision(optax.sgd(0.1))
@@ -366,9 +392,18 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
   >>> jaxmp.rollback_if_skipped(state, {"mean": 1.0}, {"mean": 0.0})
   {'mean': Array(0., dtype=float32, weak_type=True)}
   """
+  state = find_state(opt_state)
+  if mp.was_updated(state):
+    raise ValueError(
+      "rollback_if_skipped got the optimizer state from before this step's "
+      "update (the very state update was given): its flag says whether the "
+      "previous step was applied, not this one. Pass the state update "
+      "returned: updates, opt_state = opt.update(grads, opt_state, params); "
+      "new = jaxmp.rollback_if_skipped(opt_state, new, old)"
+    )
   finite = _accumulation_flag(opt_state)
   if finite is None:
-    finite = find_state(opt_state).step_applied
+    finite = state.step_applied
   finite = jax.tree_util.tree_leaves(finite)[0]  # An NNX variable's array.
   nnx_support.check_not_aliased(new, old)
   select = lambda n, o: jnp.where(finite, n, o)

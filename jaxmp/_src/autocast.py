@@ -129,6 +129,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import _jaxpr_interp as ji
+from jaxmp._src import nnx_support
 
 logger = logging.getLogger("jaxmp")
 
@@ -220,19 +221,24 @@ class AutocastReport(NamedTuple):
     source: the user's source line, ``"file.py:12 (fn)"``.
     name_stack: the Flax/JAX name stack (``jax.named_scope``), or ``""``.
     dtype: the half-precision dtype of the non-finite output.
+    layer: where a library layer (Flax, Equinox, jaxmp) ran the operation,
+      ``"linear.py:287 (__call__)"``, when ``source`` is the user's line
+      that called it; ``""`` when the user's code ran it directly.
   """
 
   primitive: str
   source: str
   name_stack: str
   dtype: str
+  layer: str = ""
 
   def __str__(self) -> str:
-    """One line: the primitive, name stack and source line."""
+    """One line: the primitive, name stack, source line and layer."""
     where = f" in {self.name_stack}" if self.name_stack else ""
+    layer = f" (in the layer at {self.layer})" if self.layer else ""
     return (
       f"autocast: the first non-finite {self.dtype} output from finite "
-      f"inputs is {self.primitive}{where} at {self.source}"
+      f"inputs is {self.primitive}{where} at {self.source}{layer}"
     )
 
 
@@ -517,7 +523,9 @@ def _check(sink, eqn, invals, outs):
   sink.flags.append(finite_in & bad_out)
   d = ji.describe(eqn)
   sink.where.append(
-    AutocastReport(d.primitive, d.source, d.name_stack, str(half[0].dtype))
+    AutocastReport(
+      d.primitive, d.source, d.name_stack, str(half[0].dtype), d.layer
+    )
   )
 
 
@@ -538,24 +546,35 @@ class _Region:
   call traces ``fun`` once per signature.
   """
 
-  def __init__(self, fun, name: str, impl: Callable):
+  def __init__(self, fun, name: str, impl: Callable, keep: Any = False):
     self.fun = fun
     self.name = name
     self.impl = impl  # impl(flat_fun, dyn) -> outs, with flat_fun traceable.
+    self.keep = keep  # keep_output_dtypes: a bool or a prefix of the output.
     self.cache: dict = {}
 
   def __call__(self, *args, **kwargs):
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    if nnx_support.is_graph_node(self.fun):  # autocast(model): lift it too.
+      args = (self.fun,) + args
+    lifted = nnx_support.lift((args, kwargs))
+    if lifted is None:
+      return self._call((args, kwargs), lifted=False)
+    out, new_state = self._call(lifted.tree, lifted=True)
+    lifted.write_back(new_state)  # As nnx.jit: statistics, RNG counters.
+    return out
+
+  def _call(self, tree, lifted: bool):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
     mask = tuple(_is_array(x) for x in leaves)
     dyn = [x for x, m in zip(leaves, mask) if m]
     static = tuple(x for x, m in zip(leaves, mask) if not m)
-    key = (treedef, mask, static)
+    key = (treedef, mask, static, lifted)
     try:
       entry = self.cache.get(key)
     except TypeError:  # Unhashable static leaves: no cache.
       key, entry = None, None
     if entry is None:
-      entry = self._make(treedef, mask, static)
+      entry = self._make(treedef, mask, static, lifted)
       if key is not None:
         self.cache[key] = entry
     jitted, outinfo = entry
@@ -566,15 +585,25 @@ class _Region:
     out_leaves = [next(it) if m else next(st) for m in out_mask]
     return jax.tree_util.tree_unflatten(out_tree, out_leaves)
 
-  def _make(self, treedef, mask, static):
+  def _make(self, treedef, mask, static, lifted):
     outinfo: dict = {}
     fun = self.fun
+    if nnx_support.is_graph_node(fun):
+      fun = lambda module, *a, **k: module(*a, **k)
+    if self.keep is not False:
+      fun = _keeping_dtypes(fun, self.keep)
+    caller = "jaxmp." + self.name.split("jaxmp_")[1].rsplit("_float", 1)[0]
 
     def flat_fun(*dyn):
       it, st = iter(dyn), iter(static)
       leaves = [next(it) if m else next(st) for m in mask]
-      args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-      out = fun(*args, **kwargs)
+      tree = jax.tree_util.tree_unflatten(treedef, leaves)
+      if lifted:  # NNX objects: merged here, their new state returned.
+        out = nnx_support.run(fun, tree, caller)
+      else:
+        args, kwargs = tree
+        out = fun(*args, **kwargs)
+        nnx_support.check_no_nodes(out, caller)
       out_leaves, out_tree = jax.tree_util.tree_flatten(out)
       out_mask = tuple(_is_array(x) for x in out_leaves)
       info = (
@@ -592,6 +621,51 @@ class _Region:
 
     region.__name__ = region.__qualname__ = self.name
     return jax.jit(region), outinfo
+
+
+# A jit by this name is left as traced by an enclosing autocast region (it
+# holds the autocast mark): its float inputs are cast back to the dtypes
+# they had when ``fun`` was traced.
+_KEEP_MARK = f"{_AUTOCAST_MARK}_keep_output_dtypes"
+
+
+def _keeping_dtypes(fun, keep):
+  """``fun`` whose outputs selected by ``keep`` keep their traced dtypes."""
+
+  def identity(*xs):
+    return xs
+
+  identity.__name__ = identity.__qualname__ = _KEEP_MARK
+  mark = jax.jit(identity)
+
+  def keep_leaves(flag, sub):
+    if flag is True:
+      leaves, tree = jax.tree_util.tree_flatten(sub)
+      idx = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+      if idx:
+        kept = mark(*[leaves[i] for i in idx])
+        for i, x in zip(idx, kept):
+          leaves[i] = x
+      return jax.tree_util.tree_unflatten(tree, leaves)
+    if flag is False or flag is None:
+      return sub
+    raise TypeError(
+      "keep_output_dtypes must be a bool or a tree of bools that is a "
+      f"prefix of the output, got a {type(flag).__name__} leaf: {flag!r}"
+    )
+
+  def kept(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    try:
+      return jax.tree.map(keep_leaves, keep, out, is_leaf=lambda x: x is None)
+    except ValueError as e:
+      raise ValueError(
+        "keep_output_dtypes must be True, False, or a tree of bools that is "
+        f"a prefix of the function's output; got {keep!r} for an output of "
+        f"structure {jax.tree_util.tree_structure(out)}"
+      ) from e
+
+  return kept
 
 
 def _signature(dyn) -> tuple:
@@ -617,6 +691,7 @@ def autocast(
   dtype: Any = jnp.float16,
   *,
   debug: Union[bool, Callable[[AutocastReport], Any]] = False,
+  keep_output_dtypes: Any = False,
 ) -> Callable:
   """Runs ``fun`` with Apex O1 / ``torch.autocast`` rules, the model unchanged.
 
@@ -627,10 +702,24 @@ def autocast(
   are left alone. ``fun`` is traced once per input signature: eager calls
   are jitted and cached.
 
+  Output dtypes change: an output computed by a matrix product (a logit, a
+  hidden state) comes back in ``dtype``, not in the dtype ``fun`` returns
+  without autocast. Where the caller needs the dtypes unchanged, the body
+  of a ``lax.scan``/``while_loop``/``fori_loop`` whose carry must keep its
+  type, pass ``keep_output_dtypes=True`` (or autocast the whole function
+  that runs the loop: its carries keep their dtypes).
+
+  Flax NNX modules, ``nnx.Rngs`` and NNX variables may be passed as
+  arguments (or be ``fun`` itself): they are split into their state for the
+  traced call and every update the call makes (BatchNorm statistics, the
+  RNG counters that draw dropout masks) is written back to them, as
+  ``nnx.jit`` does. Flax is not imported unless the program already did.
+
   Args:
     fun: any JAX function of pytrees (a Flax ``apply``, an Equinox module
-      call, a loss function); non-array leaves and keyword arguments such as
-      ``train=True`` or ``mutable=["batch_stats"]`` are static.
+      call, an NNX module call, a loss function); non-array leaves and
+      keyword arguments such as ``train=True`` or ``mutable=["batch_stats"]``
+      are static.
     dtype: the lower precision, ``jnp.float16`` (default) or
       ``jnp.bfloat16``.
     debug: off (``False``, the default) costs nothing. ``True`` checks every
@@ -639,6 +728,12 @@ def autocast(
       (primitive, source line, name stack) as a warning on the ``"jaxmp"``
       logger; a callable is also given the report. The flags are computed on
       the device and reported by one ``jax.debug.callback`` per call.
+    keep_output_dtypes: ``False`` (default): outputs take the dtypes the
+      rules give them. ``True``: every floating output is cast back to the
+      dtype ``fun`` returns without autocast (the carry of a loop body
+      stays fp32). Or a tree of bools, a prefix of the output's structure,
+      to choose per output: ``(True, False)`` for a scan body's ``(carry,
+      y)``.
 
   Returns:
     A function with ``fun``'s signature.
@@ -673,7 +768,10 @@ def autocast(
       jax.debug.callback(_report_fn(debug, sink.where), jnp.stack(sink.flags))
     return outs
 
-  return _wrap(fun, _Region(fun, f"{_AUTOCAST_MARK}_{dtype.name}", impl))
+  return _wrap(
+    fun,
+    _Region(fun, f"{_AUTOCAST_MARK}_{dtype.name}", impl, keep_output_dtypes),
+  )
 
 
 def _wrap(fun, region):

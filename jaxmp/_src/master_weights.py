@@ -49,6 +49,54 @@ class Buffers(NamedTuple):
   rounding_key: Optional[jax.Array] = None
 
 
+class Placeholder:
+  """A master where the params hold ``None``, not a param: no master at all.
+
+  ``eqx.filter(model, eqx.is_inexact_array)`` leaves ``None`` for every
+  non-array field (an activation function); the fp32-master tree marks
+  those places with this empty node, so that a ``None`` master always means
+  an fp32 param (its own master). A pytree without leaves.
+  """
+
+  def __eq__(self, other: Any) -> bool:
+    """Every placeholder is the same."""
+    return isinstance(other, Placeholder)
+
+  def __hash__(self) -> int:
+    """One hash for all."""
+    return hash(Placeholder)
+
+  def __repr__(self) -> str:
+    """``Placeholder()``."""
+    return "Placeholder()"
+
+
+jax.tree_util.register_pytree_node(
+  Placeholder, lambda _: ((), None), lambda *_: Placeholder()
+)
+
+
+def is_empty(x: Any) -> bool:
+  """``None`` (an fp32 param's master) or a `Placeholder` (no param)."""
+  return x is None or isinstance(x, Placeholder)
+
+
+def placeholders_to_none(tree: Any) -> Any:
+  """``tree`` with every `Placeholder` back to ``None``, as in the params."""
+  return jax.tree.map(
+    lambda x: None if isinstance(x, Placeholder) else x, tree, is_leaf=is_empty
+  )
+
+
+def _no_masters(params):
+  """The masters of a mode that keeps none: ``None``, `Placeholder` for ``None``."""
+  return jax.tree.map(
+    lambda p: Placeholder() if p is None else None,
+    params,
+    is_leaf=lambda x: x is None,
+  )
+
+
 def _none_like(tree):
   return jax.tree.map(lambda _: None, tree)
 
@@ -56,10 +104,10 @@ def _none_like(tree):
 def _select(applied, new, old):
   """``new`` where the step was applied, ``old`` elsewhere (``None`` kept)."""
   return jax.tree.map(
-    lambda o, n: None if o is None else jnp.where(applied, n, o),
+    lambda o, n: o if is_empty(o) else jnp.where(applied, n, o),
     old,
     new,
-    is_leaf=lambda x: x is None,
+    is_leaf=is_empty,
   )
 
 
@@ -71,11 +119,11 @@ def _upcast_view(params, masters):
   """
 
   def view(m, p):
-    if p is None:
+    if p is None or isinstance(m, Placeholder):
       return None
     return p.astype(jnp.float32) if m is None else m
 
-  return jax.tree.map(view, masters, params, is_leaf=lambda x: x is None)
+  return jax.tree.map(view, masters, params, is_leaf=is_empty)
 
 
 class Fp32Masters:
@@ -85,9 +133,13 @@ class Fp32Masters:
 
   def init(self, params) -> Buffers:
     """An fp32 copy of each half param."""
-    masters = jax.tree.map(
-      lambda p: p.astype(jnp.float32) if dtypes.is_half(p) else None, params
-    )
+
+    def master(p):
+      if p is None:  # An eqx.filter placeholder: no param.
+        return Placeholder()
+      return p.astype(jnp.float32) if dtypes.is_half(p) else None
+
+    masters = jax.tree.map(master, params, is_leaf=lambda x: x is None)
     return Buffers(master_params=masters)
 
   def view(self, params, buffers: Buffers):
@@ -98,7 +150,7 @@ class Fp32Masters:
     """The new masters (the old ones on a skipped step) are the targets."""
     masters = _select(applied, new_view, buffers.master_params)
     # From the selected masters: XLA reads them instead of redoing the step.
-    return masters, Buffers(master_params=masters)
+    return placeholders_to_none(masters), Buffers(master_params=masters)
 
 
 class RoundToNearest:
@@ -108,7 +160,7 @@ class RoundToNearest:
 
   def init(self, params) -> Buffers:
     """No buffer."""
-    return Buffers(master_params=_none_like(params))
+    return Buffers(master_params=_no_masters(params))
 
   def view(self, params, buffers: Buffers):
     """The upcast params."""
@@ -127,7 +179,7 @@ class Kahan:
   def init(self, params) -> Buffers:
     """A zero compensation per half param, in its dtype."""
     return Buffers(
-      master_params=_none_like(params),
+      master_params=_no_masters(params),
       compensation=jax.tree.map(
         lambda p: jnp.zeros_like(p) if dtypes.is_half(p) else None, params
       ),
@@ -172,7 +224,7 @@ class Stochastic:
   def init(self, params) -> Buffers:
     """The first key, a new buffer per ``init``."""
     return Buffers(
-      master_params=_none_like(params), rounding_key=jnp.asarray(self._key0)
+      master_params=_no_masters(params), rounding_key=jnp.asarray(self._key0)
     )
 
   def view(self, params, buffers: Buffers):

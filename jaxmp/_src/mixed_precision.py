@@ -28,7 +28,9 @@ counts nor breaks the run: it is counted in ``nonfinite_loss_steps`` and
 ``consecutive_nonfinite_loss``).
 """
 
+import sys
 import warnings
+import weakref
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -40,6 +42,7 @@ from jaxmp._src import diagnostics as diag
 from jaxmp._src import dtypes
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import master_weights as masters_lib
+from jaxmp._src import unscaled
 
 # Re-exported: the public names live here since the first release.
 LossScaler = loss_scale_lib.LossScaler
@@ -358,6 +361,11 @@ def mixed_precision(
         "opt.update(grads, opt_state, params)"
       )
     _check_inner_state(state.inner_state)
+    from jaxmp._src import placement  # pylint: disable=g-import-not-at-top
+
+    placement.check_chain(sys._getframe(1), update_fn.__code__)  # pylint: disable=protected-access
+    unscaled.warn_if_unscaled(state)
+    _mark_updated(state)
     scale = state.loss_scale
     grads_finite, loss_finite = _finite_flags(
       grads, loss, scale, config, axis_name
@@ -412,6 +420,33 @@ def mixed_precision(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# The ``step_applied`` arrays (or tracers) of the states ``update`` was
+# given, by id; weak, so an entry dies with its array. A state whose flag is
+# here is one from *before* an update: `jaxmp.rollback_if_skipped` refuses it.
+_UPDATED: "weakref.WeakValueDictionary[int, Any]" = (
+  weakref.WeakValueDictionary()
+)
+
+
+def _flag(state: MixedPrecisionState) -> Any:
+  leaves = jax.tree_util.tree_leaves(state.step_applied)  # NNX: a variable.
+  return leaves[0] if leaves else None
+
+
+def _mark_updated(state: MixedPrecisionState) -> None:
+  flag = _flag(state)
+  try:
+    _UPDATED[id(flag)] = flag
+  except TypeError:  # Not weak-referenceable (a NumPy scalar): unchecked.
+    pass
+
+
+def was_updated(state: MixedPrecisionState) -> bool:
+  """Whether ``state`` was given to an ``update`` (it is a pre-update state)."""
+  flag = _flag(state)
+  return flag is not None and _UPDATED.get(id(flag)) is flag
 
 
 def _check_params(params) -> None:

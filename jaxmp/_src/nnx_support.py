@@ -81,3 +81,118 @@ def check_not_aliased(new: Any, old: Any) -> None:
       "nnx.clone before the step: old = nnx.clone(nnx.state(model, "
       "nnx.BatchStat))"
     )
+
+
+# ---------------------------------------------------------------------------
+# NNX objects as arguments of a traced function (`jaxmp.autocast`).
+
+
+class _Slot:
+  """Where the ``index``-th NNX object sat among a function's arguments."""
+
+  __slots__ = ("index",)
+
+  def __init__(self, index: int):
+    self.index = index
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, _Slot) and other.index == self.index
+
+  def __hash__(self) -> int:
+    return hash((_Slot, self.index))
+
+  def __repr__(self) -> str:
+    return f"_Slot({self.index})"
+
+
+def is_graph_node(x: Any) -> bool:
+  """Whether ``x`` is an NNX graph node (module, ``Rngs``, variable...)."""
+  mod = nnx()
+  return mod is not None and mod.graph.is_graph_node(x)
+
+
+class Lifted:
+  """A function's arguments with their NNX objects split into a state.
+
+  ``tree`` is ``(graphdef, state, template)``: ``template`` is the
+  arguments with every NNX object (a module, an ``nnx.Rngs``, a variable)
+  replaced by a placeholder; ``graphdef`` and ``state`` are ``nnx.split`` of
+  those objects, together, so that objects shared between them (one
+  ``Rngs`` in two modules) stay shared. Inside the traced function
+  `run` merges them and calls the function; `write_back` then does what
+  ``nnx.update`` does for ``nnx.jit``: BatchNorm statistics, RNG counters and
+  every other variable the call changed land in the caller's objects.
+  """
+
+  def __init__(self, nodes: tuple, tree: tuple):
+    self.nodes = nodes
+    self.tree = tree
+
+  def write_back(self, new_state: Any) -> None:
+    """Updates the caller's NNX objects with the state the call left."""
+    nnx().update(self.nodes, new_state)
+
+
+def lift(tree: Any) -> Optional[Lifted]:
+  """`Lifted` for ``tree`` (a function's ``(args, kwargs)``), ``None`` if no NNX.
+
+  Flax is never imported here: without ``flax.nnx`` in ``sys.modules`` no
+  argument can be an NNX object.
+  """
+  mod = nnx()
+  if mod is None:
+    return None
+  import jax  # pylint: disable=g-import-not-at-top
+
+  is_node = mod.graph.is_graph_node
+  leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_node)
+  nodes = [x for x in leaves if is_node(x)]
+  if not nodes:
+    return None
+  slots = iter(range(len(nodes)))
+  template = jax.tree_util.tree_unflatten(
+    treedef, [_Slot(next(slots)) if is_node(x) else x for x in leaves]
+  )
+  graphdef, state = mod.split(tuple(nodes))
+  return Lifted(tuple(nodes), (graphdef, state, template))
+
+
+def run(fun: Any, tree: tuple, caller: str) -> tuple[Any, Any]:
+  """Calls ``fun`` on fresh NNX objects merged from ``tree`` (see `Lifted`).
+
+  Returns ``(out, new_state)``, ``new_state`` the state of every NNX object
+  after the call. Raises a ``TypeError`` when ``out`` holds an NNX object:
+  it would come back as a copy, detached from the caller's.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  mod = nnx()
+  graphdef, state, template = tree
+  nodes = mod.merge(graphdef, state)
+  is_slot = lambda x: isinstance(x, _Slot)
+  args, kwargs = jax.tree.map(
+    lambda x: nodes[x.index] if is_slot(x) else x, template, is_leaf=is_slot
+  )
+  out = fun(*args, **kwargs)
+  check_no_nodes(out, caller)
+  return out, mod.state(nodes)
+
+
+def check_no_nodes(out: Any, caller: str) -> None:
+  """Raises when a traced function's output holds an NNX object."""
+  if nnx() is None:
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+
+  found = [
+    x
+    for x in jax.tree_util.tree_leaves(out, is_leaf=is_graph_node)
+    if is_graph_node(x)
+  ]
+  if found:
+    raise TypeError(
+      f"the function given to {caller} returned an NNX object (a "
+      f"{type(found[0]).__name__}): it would come back as a detached copy. "
+      "Pass NNX modules and nnx.Rngs in as arguments (their updates are "
+      "written back to them) and return arrays"
+    )

@@ -93,6 +93,11 @@ def check_placement(opt_state: Any, state: mp.MixedPrecisionState) -> None:
       )
     if type(node) in (tuple, list) and len(node) > 1:
       index = getattr(key, "idx", "?")
+      if index == 0 and all(isinstance(x, optax.EmptyState) for x in node[1:]):
+        # Stateless transforms after it: optax.identity() is harmless, a
+        # clip is not, and their states are alike. `check_chain` tells
+        # them apart when the chain runs update.
+        continue
       raise ValueError(
         f"jaxmp.mixed_precision is transform {index} (from 0) of a chain of "
         f"{len(node)} (at {at}): it must be the outermost transform. A "
@@ -143,3 +148,49 @@ def warn_if_captured(state: mp.MixedPrecisionState, caller: str) -> None:
     UserWarning,
     stacklevel=3,
   )
+
+
+_CHAIN_UPDATE = optax.chain(optax.identity()).update.__code__
+_IDENTITY_UPDATE = optax.identity().update.__code__
+
+
+def _is_identity(fn: Any) -> bool:
+  """Whether ``fn`` is ``optax.identity()``'s update (extra-args wrapped or not)."""
+  if getattr(fn, "__code__", None) is _IDENTITY_UPDATE:
+    return True
+  for cell in getattr(fn, "__closure__", None) or ():
+    try:
+      inner = getattr(cell.cell_contents, "update", None)
+    except ValueError:  # An empty cell.
+      continue
+    if getattr(inner, "__code__", None) is _IDENTITY_UPDATE:
+      return True
+  return False
+
+
+def check_chain(frame: Any, own_code: Any) -> None:
+  """Raises when ``update`` runs first in an ``optax.chain`` of more than it.
+
+  ``frame`` is the caller of ``mixed_precision``'s ``update``. In an
+  ``optax.chain`` its locals hold the chain's update functions: every one
+  after ``mixed_precision`` must be ``optax.identity()``. (The states of
+  stateless transforms look alike, so `check_placement` lets such chains
+  through to here.)
+  """
+  if frame is None or frame.f_code is not _CHAIN_UPDATE:
+    return
+  fns = frame.f_locals.get("update_fns") or ()
+  others = [
+    (i, fn)
+    for i, fn in enumerate(fns)
+    if getattr(fn, "__code__", None) is not own_code
+  ]
+  bad = [i for i, fn in others if not _is_identity(fn)]
+  if bad:
+    raise ValueError(
+      f"jaxmp.mixed_precision is transform 0 (from 0) of a chain of "
+      f"{len(fns)}, with transform {bad[0]} after it: it must be the "
+      "outermost transform. A transform chained after it changes updates "
+      "that the fp32 masters never see, and the next step undoes them "
+      "(only optax.identity() may follow it); " + RIGHT_CHAIN
+    )

@@ -22,6 +22,7 @@ def value_and_grad(
   has_aux: bool = False,
   *,
   wrt: Optional[Any] = None,
+  argnums: int = 0,
 ) -> Callable[..., tuple[Any, Any]]:
   """Returns ``grad_fn(params, opt_state, *args, **kwargs) -> (loss, grads)``.
 
@@ -44,16 +45,21 @@ def value_and_grad(
     fun: the loss function; its first argument is differentiated.
     has_aux: whether ``fun`` returns ``(loss, aux)``.
     wrt: NNX only: the filter of the variables to differentiate.
+    argnums: only ``0``: the first argument of ``fun`` is differentiated (it
+      sits before ``opt_state`` in ``grad_fn``'s arguments). To
+      differentiate several arguments, pass them as one tuple.
 
   Returns:
     ``grad_fn``, which returns ``(loss, grads)`` or, with ``has_aux``,
     ``((loss, aux), grads)``, as `jax.value_and_grad` does.
 
   Raises:
+    TypeError: for ``argnums`` other than ``0``.
     ValueError: when ``mixed_precision`` is not the outermost transform of
-      ``opt_state``, nor directly inside `jaxmp.multi_steps`. A state that
-      is a constant of the function being traced (read from a global, not
-      passed in) warns.
+      ``opt_state``, nor directly inside `jaxmp.multi_steps`, and when
+      ``grad_fn``'s second argument holds no ``mixed_precision`` state. A
+      state that is a constant of the function being traced (read from a
+      global, not passed in) warns.
 
   >>> import jax, jax.numpy as jnp, optax, jaxmp
   >>> opt = jaxmp.mixed_precision(optax.sgd(0.5), loss_scale=8.0)
@@ -67,9 +73,21 @@ def value_and_grad(
   >>> optax.apply_updates(params, updates)["w"]  # 1 - 0.5 * 2
   Array([0., 0.], dtype=float16)
   """
+  if argnums != 0:
+    raise TypeError(
+      f"jaxmp.value_and_grad(fun, argnums={argnums!r}): only argnums=0 is "
+      "supported: grad_fn(params, opt_state, *args) differentiates fun's "
+      "first argument, and opt_state must come second. Put what you "
+      "differentiate first, or pass several as one tuple: "
+      "fun((a, b), x) with jaxmp.value_and_grad(fun)((a, b), opt_state, x)"
+    )
 
   def grad_fn(params, opt_state, *args, **kwargs):
-    state = accessors.locate(opt_state, "jaxmp.value_and_grad")
+    state = accessors.locate(
+      opt_state,
+      "jaxmp.value_and_grad",
+      "opt_state, the second argument of grad_fn(params, opt_state, *args)",
+    )
     scale = state.loss_scale
 
     def scaled_fun(p, *a, **k):
