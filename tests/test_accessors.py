@@ -5,11 +5,14 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 import optax
+import pytest
 
 import jaxmp
 
 
+@pytest.mark.filterwarnings("ignore::jaxmp.UnscaledGradientsWarning")
 def test_scale_loss_of_a_float16_loss_is_fp32_under_a_growing_scale():
+  # update is given gradients made by hand (the documented silence).
   opt = jaxmp.mixed_precision(
     optax.sgd(0.0),
     loss_scale=jmp.DynamicLossScale(np.float32(2.0**15), period=1),

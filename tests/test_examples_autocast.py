@@ -52,19 +52,23 @@ MNIST_ARGS = [
 def test_flax_mnist_example_runs_the_fp32_cnn_under_autocast():
   ns = _load("flax_mnist_autocast.py")
   model = ns["CNN"](rngs=nnx.Rngs(0))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  # The jaxpr in eval mode: under a plain jax.grad NNX cannot update the
+  # statistics in place. The products are those of train mode.
+  frozen = nnx.clone(model)
+  frozen.eval()
+  graphdef, params, rest = nnx.split(frozen, nnx.Param, ...)
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
   data = ns["synthetic_mnist"](16)
 
   def grads_of(forward):
-    def loss(p):
-      m = nnx.merge(graphdef, p, rest)
+    def loss(p, r):
+      m = nnx.merge(graphdef, p, r)
       logits = forward(m, data["image"], nnx.Rngs(dropout=0))
       return optax.softmax_cross_entropy_with_integer_labels(
         logits, data["label"]
       ).mean()
 
-    return jax.make_jaxpr(jax.value_and_grad(loss))(params)
+    return jax.make_jaxpr(jax.value_and_grad(loss))(params, rest)
 
   # The one autocast line: both convolutions and both dense layers in fp16,
   # forward and backward (input and kernel gradients); without it, fp32.

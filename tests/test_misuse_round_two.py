@@ -214,13 +214,19 @@ class TestUnscaledGradients:
     with pytest.warns(jaxmp.UnscaledGradientsWarning):
       step(model, state, jnp.ones((2, 4)))
 
-  @pytest.mark.parametrize("wrap", ["bare", "multi_steps", "chain_identity"])
+  @pytest.mark.parametrize(
+    "wrap", ["bare", "multi_steps", "chain_identity", "inject"]
+  )
   def test_scaled_steps_do_not_warn(self, wrap):
     opt = {
-      "bare": _mp(),
-      "multi_steps": jaxmp.multi_steps(_mp(), 2),
-      "chain_identity": optax.chain(_mp(), optax.identity()),
-    }[wrap]
+      "bare": _mp,
+      "multi_steps": lambda: jaxmp.multi_steps(_mp(), 2),
+      "chain_identity": lambda: optax.chain(_mp(), optax.identity()),
+      "inject": lambda: optax.inject_hyperparams(
+        jaxmp.mixed_precision,
+        static_args=("loss_scale", "max_loss_scale", "hysteresis"),
+      )(optax.sgd(0.1)),
+    }[wrap]()
     params = _params()
     state = opt.init(params)
 

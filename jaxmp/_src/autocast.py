@@ -92,15 +92,11 @@ Frameworks, with the model left as it is:
 
 * Flax linen: ``jaxmp.autocast(model.apply)(variables, x, train=True,
   mutable=["batch_stats"])`` returns ``(out, updates)`` as ``apply`` does.
-* Flax NNX: split once, ``graphdef, state = nnx.split(model)``; autocast a
-  function of the state that merges, calls and returns the new state, so
-  BatchNorm's statistics are not dropped::
-
-    def forward(state, x):
-      m = nnx.merge(graphdef, state)
-      return m(x), nnx.state(m)
-
-    y, state = jaxmp.autocast(forward)(state, x)
+* Flax NNX: pass the model and its ``nnx.Rngs`` as they are,
+  ``jaxmp.autocast(lambda m, x, r: m(x, rngs=r))(model, x, rngs)`` (or
+  ``jaxmp.autocast(model)(x)``). They are split into their state for the
+  traced call and what the call changed (BatchNorm statistics, RNG
+  counters) is written back with ``nnx.update``, as ``nnx.jit`` does.
 
 * Equinox: pass the module as an argument, ``jaxmp.autocast(lambda m, x:
   m(x))(model, x)``; its non-array fields are static. (``autocast(model)``

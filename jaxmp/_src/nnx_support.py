@@ -129,8 +129,11 @@ class Lifted:
     self.tree = tree
 
   def write_back(self, new_state: Any) -> None:
-    """Updates the caller's NNX objects with the state the call left."""
-    nnx().update(self.nodes, new_state)
+    """Updates the caller's NNX objects with the variables the call set."""
+    import jax  # pylint: disable=g-import-not-at-top
+
+    if jax.tree_util.tree_leaves(new_state):
+      nnx().update(self.nodes, new_state)
 
 
 def lift(tree: Any) -> Optional[Lifted]:
@@ -160,14 +163,15 @@ def lift(tree: Any) -> Optional[Lifted]:
 def run(fun: Any, tree: tuple, caller: str) -> tuple[Any, Any]:
   """Calls ``fun`` on fresh NNX objects merged from ``tree`` (see `Lifted`).
 
-  Returns ``(out, new_state)``, ``new_state`` the state of every NNX object
-  after the call. Raises a ``TypeError`` when ``out`` holds an NNX object:
+  Returns ``(out, new_state)``, ``new_state`` the variables of the NNX
+  objects that the call set, as they are after it. Raises a ``TypeError`` when ``out`` holds an NNX object:
   it would come back as a copy, detached from the caller's.
   """
   import jax  # pylint: disable=g-import-not-at-top
 
   mod = nnx()
   graphdef, state, template = tree
+  given = {path: _value(v) for path, v in mod.to_flat_state(state)}
   nodes = mod.merge(graphdef, state)
   is_slot = lambda x: isinstance(x, _Slot)
   args, kwargs = jax.tree.map(
@@ -175,7 +179,14 @@ def run(fun: Any, tree: tuple, caller: str) -> tuple[Any, Any]:
   )
   out = fun(*args, **kwargs)
   check_no_nodes(out, caller)
-  return out, mod.state(nodes)
+  # Only the variables the call set: what plain NNX code would have mutated
+  # (writing an unchanged BatchStat back can be refused under a transform).
+  changed = [
+    (path, v)
+    for path, v in mod.to_flat_state(mod.state(nodes))
+    if given.get(path, given) is not _value(v)
+  ]
+  return out, mod.from_flat_state(changed)
 
 
 def check_no_nodes(out: Any, caller: str) -> None:
