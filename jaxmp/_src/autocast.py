@@ -705,8 +705,8 @@ def autocast(
   type, pass ``keep_output_dtypes=True`` (or autocast the whole function
   that runs the loop: its carries keep their dtypes).
 
-  Flax NNX modules, ``nnx.Rngs`` and NNX variables may be passed as
-  arguments (or be ``fun`` itself): they are split into their state for the
+  Flax NNX modules and ``nnx.Rngs`` may be passed as arguments (or be
+  ``fun`` itself): they are split into their state for the
   traced call and every update the call makes (BatchNorm statistics, the
   RNG counters that draw dropout masks) is written back to them, as
   ``nnx.jit`` does. Flax is not imported unless the program already did.

@@ -115,7 +115,7 @@ class Lifted:
   """A function's arguments with their NNX objects split into a state.
 
   ``tree`` is ``(graphdef, state, template)``: ``template`` is the
-  arguments with every NNX object (a module, an ``nnx.Rngs``, a variable)
+  arguments with every NNX object (a module, an ``nnx.Rngs``)
   replaced by a placeholder; ``graphdef`` and ``state`` are ``nnx.split`` of
   those objects, together, so that objects shared between them (one
   ``Rngs`` in two modules) stay shared. Inside the traced function
@@ -147,7 +147,10 @@ def lift(tree: Any) -> Optional[Lifted]:
     return None
   import jax  # pylint: disable=g-import-not-at-top
 
-  is_node = mod.graph.is_graph_node
+  # Modules and Rngs, the objects a caller holds and expects to see updated.
+  # Variables on their own (an nnx.State passed in) stay values, as before:
+  # a function of a state returns the new state.
+  is_node = lambda x: mod.graph.is_graph_node(x) and not is_variable(x)
   leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_node)
   nodes = [x for x in leaves if is_node(x)]
   if not nodes:
@@ -190,15 +193,17 @@ def run(fun: Any, tree: tuple, caller: str) -> tuple[Any, Any]:
 
 
 def check_no_nodes(out: Any, caller: str) -> None:
-  """Raises when a traced function's output holds an NNX object."""
+  """Raises when a traced function's output holds an NNX module or ``Rngs``."""
   if nnx() is None:
     return
   import jax  # pylint: disable=g-import-not-at-top
 
+  # Variables may come back (an nnx.State of them, as nnx.state returns):
+  # they are values. A module or an Rngs is an object the caller holds.
   found = [
     x
     for x in jax.tree_util.tree_leaves(out, is_leaf=is_graph_node)
-    if is_graph_node(x)
+    if is_graph_node(x) and not is_variable(x)
   ]
   if found:
     raise TypeError(
