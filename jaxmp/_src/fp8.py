@@ -116,6 +116,15 @@ def fp8_convolutions(recipe: Fp8Recipe) -> bool:
   return False
 
 
+def _varying_axes(x) -> frozenset:
+  """Mesh axes along which ``x`` varies (empty outside ``shard_map``)."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)  # Older jax.
+  if vma is None:  # jax >= 0.10: ``ManualAxisType(varying=...)``.
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+  return frozenset(vma or ())
+
+
 def quantize(x, fmt, recipe: Fp8Recipe):
   """``(q, inv)``: ``x`` quantised to ``fmt`` and the scale's inverse (f32).
 
@@ -126,7 +135,7 @@ def quantize(x, fmt, recipe: Fp8Recipe):
   x32 = jnp.asarray(x).astype(_F32)
   amax = jnp.max(jnp.abs(x32))
   if recipe.amax_axes:
-    vma = getattr(jax.typeof(amax), "vma", frozenset())
+    vma = _varying_axes(amax)
     axes = tuple(a for a in recipe.amax_axes if a in vma)
     if axes:
       amax = lax.pmax(amax, axes)
