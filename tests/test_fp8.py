@@ -97,7 +97,7 @@ def test_saved_residuals_are_the_fp8_operands_and_scales(capsys):
 
 
 def _instructions(hlo: str) -> dict:
-  """name -> (result type, opcode, operand names) of every HLO instruction."""
+  """Maps names to (result type, opcode, operand names) of every HLO instruction."""
   out = {}
   pat = re.compile(r"^\s*(?:ROOT )?([\w.\-]+) = (\S+) ([\w\-]+)\(([^)]*)\)")
   for line in hlo.splitlines():
@@ -109,9 +109,11 @@ def _instructions(hlo: str) -> dict:
 
 
 def test_lowered_products_are_scaled_fp8_converts():
-  """Every dot is dot(convert(f8) * broadcast(s), convert(f8) * broadcast(s)),
-  as XLA's GPU GEMM rewriter matches it: forward e4m3 x e4m3, the two
-  backward products e5m2 (the cotangent) x e4m3."""
+  """Every dot takes convert(f8) * broadcast(scalar) operands.
+
+  XLA's GPU GEMM rewriter matches that layout: forward e4m3 x e4m3, the two
+  backward products e5m2 (the cotangent) x e4m3.
+  """
   a, b = _ab()
   f = jaxmp.autocast(lambda a, b: jnp.sum(jnp.tanh(a @ b)), fp8=True)
   hlo = jax.jit(jax.grad(f, (0, 1))).lower(a, b).as_text(dialect="hlo")
@@ -300,3 +302,17 @@ def test_recipe_and_arguments():
   )
   db = quant(b, E4M3)
   check(out, da @ quant(b, E4M3), np.abs(da) @ np.abs(db), 32, 2.0**-11)
+
+
+def test_quantize_scales():
+  from jaxmp._src import fp8  # pylint: disable=g-import-not-at-top
+
+  recipe = jaxmp.Fp8Recipe()
+  q, inv = fp8.quantize(jnp.zeros((3,)), jnp.float8_e4m3fn, recipe)
+  assert float(inv) == 1.0 and not np.any(np.asarray(q, np.float32))
+  x = jnp.array([0.5, -2.0, 1.0])
+  q, inv = fp8.quantize(x, jnp.float8_e5m2, recipe)
+  assert float(inv) == np.float32(1) / (np.float32(57344) / np.float32(2))
+  np.testing.assert_array_equal(
+    np.asarray(q, np.float32), [14336, -57344, 28672]
+  )
