@@ -9,7 +9,9 @@ A product that skipped the fp8 rounding, or used the wrong format or scale,
 is off by ``2**-4``-ish relative errors of its terms: far outside.
 """
 
+import os
 import re
+import runpy
 
 import jax
 import jax.ad_checkpoint
@@ -316,3 +318,18 @@ def test_quantize_scales():
   np.testing.assert_array_equal(
     np.asarray(q, np.float32), [14336, -57344, 28672]
   )
+
+
+def test_byte_lm_fp8_example_trains_like_bf16(capsys):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  ns = runpy.run_path(
+    os.path.join(root, "examples", "byte_lm_fp8.py"), run_name="x"
+  )
+  args = "--steps 12 --batch-size 4 --length 16 --width 32 --depth 1 --heads 2"
+  result = ns["main"](args.split())
+  b, f = result["curves"]["bf16"], result["curves"]["fp8"]
+  assert len(b) == len(f) == 12
+  assert np.mean(f[-3:]) < f[0] - 0.5, f  # fp8 trains ...
+  assert f[0] != b[0]  # ... computing in fp8 (same params and batch) ...
+  assert abs(result["gap"]) <= 0.02 and result["skipped"] == 0  # ... as bf16
+  assert "final loss" in capsys.readouterr().out
