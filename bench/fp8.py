@@ -13,8 +13,10 @@ median of the per-pair ratios ``time(bf16) / time(fp8)`` (the fp8 speed-up;
 above 1 is faster), with the medians of each.
 
 On a CPU the fp8 products are emulated (float8 converts around float32
-GEMMs), so the ratio is the emulation's cost, not a speed-up. On a Hopper GPU
-XLA rewrites them to cuBLASLt fp8 GEMMs; the goal there is >= 1.3 at d = 4096.
+GEMMs), so the ratio is the emulation's cost against XLA:CPU's bf16 GEMMs
+(slower than its float32 ones on CPUs without bf16 instructions), not an fp8
+speed-up. On a Hopper GPU XLA rewrites them to cuBLASLt fp8 GEMMs; the goal
+there is >= 1.3 at d = 4096.
 """
 
 import argparse
@@ -88,7 +90,8 @@ def main(argv=None):
   dev = jax.devices()[0]
   print(f"device: {dev.platform} {getattr(dev, 'device_kind', '')}")
   if dev.platform == "cpu":
-    print("note: on a CPU fp8 is emulated; the ratio is its cost")
+    print("note: on a CPU fp8 is emulated (fp32 GEMMs) and bf16 GEMMs are")
+    print("slow: the ratio is no fp8 speed-up")
   out = {}
   for width in (int(w) for w in args.widths.split(",")):
     bf16, fp8, ratio = bench_width(width, args)

@@ -435,8 +435,8 @@ class _Interpreter:
       if pet is not None and _castable(pet):
         if all(jnp.dtype(avals[i].dtype) == jnp.dtype(pet) for i in idx):
           updates["preferred_element_type"] = target
-    fp8 = name in LOWER_PRECISION and len(idx) == 2 and not self.natural
-    if fp8 and self.fp8 is not None:
+    two = name in LOWER_PRECISION and len(idx) == 2 and not self.natural
+    if two and self.fp8 is not None:
       out = _fp8_product(
         self.fp8,
         eqn,
