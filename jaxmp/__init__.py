@@ -24,6 +24,7 @@ from jaxmp._src.autocast import AutocastReport
 from jaxmp._src.autocast import no_autocast
 from jaxmp._src.calibrate import calibrate_loss_scale
 from jaxmp._src.compiler import cpu_compiler_options
+from jaxmp._src.fp8 import Fp8Recipe
 from jaxmp._src.initialize import initialize
 from jaxmp._src.mixed_precision import adjust_loss_scale
 from jaxmp._src.mixed_precision import all_finite
@@ -51,6 +52,7 @@ __all__ = (
   "check_health",
   "cpu_compiler_options",
   "find_state",
+  "Fp8Recipe",
   "get_policy",
   "get_preset",
   "initialize",

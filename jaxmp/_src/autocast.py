@@ -126,6 +126,7 @@ import numpy as np
 
 from jaxmp._src import _jaxpr_interp as ji
 from jaxmp._src import nnx_support
+from jaxmp._src import fp8 as _fp8
 
 logger = logging.getLogger("jaxmp")
 
@@ -276,8 +277,9 @@ class _Sink:
 class _Interpreter:
   """Evaluates jaxprs with the autocast rules, in dtype ``dtype``."""
 
-  def __init__(self, dtype, natural: bool = False):
+  def __init__(self, dtype, natural: bool = False, fp8=None):
     self.dtype = jnp.dtype(dtype)
+    self.fp8 = fp8  # An Fp8Recipe: products in fp8 (jaxmp/_src/fp8.py).
     self.max = float(jnp.finfo(self.dtype).max)
     # natural: no lists, every op in the widest dtype of its inputs (what
     # plain JAX computes from those dtypes).
@@ -435,10 +437,39 @@ class _Interpreter:
       if pet is not None and _castable(pet):
         if all(jnp.dtype(avals[i].dtype) == jnp.dtype(pet) for i in idx):
           updates["preferred_element_type"] = target
+    two = name in LOWER_PRECISION and len(idx) == 2 and not self.natural
+    if two and self.fp8 is not None:
+      out = _fp8_product(
+        self.fp8,
+        eqn,
+        invals,
+        updates.get(
+          "preferred_element_type", pet if pet is not None else target
+        ),
+      )
+      if out is not None:
+        return out
     args = list(invals)
     for i in idx:
       args[i] = _cast(args[i], target)
     return ji.bind(eqn, args, **updates)
+
+
+def _fp8_product(recipe, eqn, invals, out_dtype):
+  """``eqn`` (a product of two castable floats) in fp8, or None."""
+  name = ji.primitive_name(eqn)
+  if name == "conv_general_dilated":
+    if not _fp8.fp8_convolutions(recipe):
+      return None
+  elif name != "dot_general":
+    return None  # ragged_dot runs in dtype.
+  if not _castable(out_dtype):
+    return None
+
+  def prim(a, b):
+    return ji.bind(eqn, [a, b], preferred_element_type=_F32)[0]
+
+  return [_fp8.product(prim, invals[0], invals[1], recipe, out_dtype)]
 
 
 def _normalization(call, avals, args):
@@ -684,10 +715,11 @@ def _report_fn(debug, where):
 
 def autocast(
   fun: Callable,
-  dtype: Any = jnp.float16,
+  dtype: Any = None,
   *,
   debug: Union[bool, Callable[[AutocastReport], Any]] = False,
   keep_output_dtypes: Any = False,
+  fp8: Union[bool, "_fp8.Fp8Recipe"] = False,
 ) -> Callable:
   """Runs ``fun`` with Apex O1 / ``torch.autocast`` rules, the model unchanged.
 
@@ -716,8 +748,8 @@ def autocast(
       call, an NNX module call, a loss function); non-array leaves and
       keyword arguments such as ``train=True`` or ``mutable=["batch_stats"]``
       are static.
-    dtype: the lower precision, ``jnp.float16`` (default) or
-      ``jnp.bfloat16``.
+    dtype: the lower precision, ``jnp.float16`` or ``jnp.bfloat16``; by
+      default ``float16``, or ``bfloat16`` when ``fp8`` is on.
     debug: off (``False``, the default) costs nothing. ``True`` checks every
       operation with a half-precision output and, when one first produced a
       non-finite value from finite inputs, logs an :class:`AutocastReport`
@@ -730,6 +762,11 @@ def autocast(
       stays fp32). Or a tree of bools, a prefix of the output's structure,
       to choose per output: ``(True, False)`` for a scan body's ``(carry,
       y)``.
+    fp8: ``True`` or a :class:`Fp8Recipe`: every floating ``dot_general``
+      (and convolution, where the backend runs fp8 convolutions) runs on
+      ``float8_e4m3fn`` operands with per-tensor current scaling, its
+      output cotangent in ``float8_e5m2``, its result in ``dtype``; the
+      other operations follow ``dtype``'s rules (see the fp8 guide).
 
   Returns:
     A function with ``fun``'s signature.
@@ -746,12 +783,15 @@ def autocast(
   >>> [str(v.aval.dtype) for v in dots[0].invars]
   ['float16', 'float16']
   """
+  recipe = _fp8.recipe_of(fp8)
+  if dtype is None:
+    dtype = _F16 if recipe is None else _BF16
   dtype = jnp.dtype(dtype)
   if dtype not in _HALF:
     raise ValueError(
       f"autocast dtype must be float16 or bfloat16, got {dtype.name}"
     )
-  interp = _Interpreter(dtype)
+  interp = _Interpreter(dtype, fp8=recipe)
 
   def impl(flat_fun, dyn):
     traced = ji.trace(flat_fun, [ji.typeof(x) for x in dyn])
@@ -764,10 +804,8 @@ def autocast(
       jax.debug.callback(_report_fn(debug, sink.where), jnp.stack(sink.flags))
     return outs
 
-  return _wrap(
-    fun,
-    _Region(fun, f"{_AUTOCAST_MARK}_{dtype.name}", impl, keep_output_dtypes),
-  )
+  name = f"{_AUTOCAST_MARK}_{dtype.name}" + ("_fp8" if recipe else "")
+  return _wrap(fun, _Region(fun, name, impl, keep_output_dtypes))
 
 
 def _wrap(fun, region):
