@@ -24,6 +24,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
   p for p in (ROOT, os.environ.get("PYTHONPATH")) if p
 )
 
+from docutils.parsers.rst import Directive  # noqa: E402
+
 import jaxmp  # noqa: E402
 
 project = "jaxmp"
@@ -105,7 +107,108 @@ def _attribute_docstring(app, what, name, obj, options, lines):
       return
 
 
+def _public_signature(app, what, name, obj, options, signature, annotation):
+  """Signatures in public names: ``jaxmp.X``, not ``jaxmp._src.mod.X``.
+
+  Also writes a dtype default (``<class 'jax.numpy.float16'>``) as
+  ``jnp.float16``.
+  """
+  del app, what, name, obj, options
+  import re  # pylint: disable=g-import-not-at-top
+
+  def fix(text):
+    if not text:
+      return text
+    text = re.sub(r"<class '(?:jax\.numpy)\.(\w+)'>", r"jnp.\1", text)
+    text = re.sub(r"<class '([\w.]+)'>", r"\1", text)
+    text = re.sub(r"~(?:[\w]+\.)*(\w+)", r"\1", text)  # ~typing.Any: Any
+    for public in ("jaxmp", "jaxmp.nn", "jaxmp.models"):
+      module = sys.modules.get(public)
+      for short in getattr(module, "__all__", ()):
+        text = re.sub(
+          rf"~?jaxmp\._src\.\w+\.{short}\b", f"{public}.{short}", text
+        )
+    return text
+
+  return fix(signature), fix(annotation)
+
+
+def _document_jaxmp_aliases_as_classes():
+  """Documents a class re-exported under another name as itself.
+
+  ``jaxmp.nn.BatchNorm`` is ``FusedBatchNorm`` of ``jaxmp._src``: autodoc
+  would write "alias of FusedBatchNorm" and leave its docstring out. Sphinx 9
+  decides that in a property of its class records, older Sphinx in
+  ``ClassDocumenter.import_object``; a jaxmp class is never an alias here.
+  """
+  try:
+    from sphinx.ext.autodoc import _property_types  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    _property_types = None
+  if _property_types is not None:
+    record = _property_types._ClassDefProperties  # pylint: disable=protected-access
+    plain = record.doc_as_attr
+
+    def doc_as_attr(self):
+      module = getattr(self, "_obj___module__", None) or ""
+      return False if module.startswith("jaxmp.") else plain.fget(self)
+
+    record.doc_as_attr = property(doc_as_attr)
+    return None
+  from sphinx.ext.autodoc import ClassDocumenter  # pylint: disable=g-import-not-at-top
+
+  class PublicClassDocumenter(ClassDocumenter):
+    priority = ClassDocumenter.priority + 1
+
+    def import_object(self, raiseerror: bool = False) -> bool:
+      ok = super().import_object(raiseerror)
+      if ok and getattr(self.object, "__module__", "").startswith("jaxmp."):
+        self.doc_as_attr = False
+      return ok
+
+  return PublicClassDocumenter
+
+
+class _ExamplesGallery(Directive):
+  """``.. jaxmp-examples::``: a section for each ``examples/*.py``.
+
+  Each section is the script's docstring (its first line the title) and its
+  source; a new script in ``examples/`` shows up without an edit here.
+  """
+
+  has_content = False
+
+  def run(self):
+    """Inserts the sections as reStructuredText into the page."""
+    import ast  # pylint: disable=g-import-not-at-top
+    import glob  # pylint: disable=g-import-not-at-top
+
+    env = self.state.document.settings.env
+    lines = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "examples", "*.py"))):
+      name = os.path.basename(path)
+      env.note_dependency(path)
+      with open(path) as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or name
+      title, _, body = doc.partition("\n")
+      title = f"``{name}``: {title.rstrip('.')}"
+      lines += [title, "-" * len(title), "", *body.strip().splitlines(), ""]
+      lines += [
+        f".. literalinclude:: ../examples/{name}",
+        "   :language: python",
+        "   :caption: " + f"examples/{name}",
+        "",
+      ]
+    self.state_machine.insert_input(lines, os.path.join(ROOT, "examples"))
+    return []
+
+
 def setup(app):
-  """Registers the two hooks above."""
+  """Registers the hooks, the class documenter and the gallery above."""
   app.connect("autodoc-skip-member", _skip_namedtuple_fields)
   app.connect("autodoc-process-docstring", _attribute_docstring)
+  app.connect("autodoc-process-signature", _public_signature)
+  documenter = _document_jaxmp_aliases_as_classes()
+  if documenter is not None:
+    app.registry.documenters["class"] = documenter
+  app.add_directive("jaxmp-examples", _ExamplesGallery)

@@ -71,6 +71,8 @@ PUBLIC = {
 
 @pytest.mark.parametrize("module", sorted(PUBLIC))
 def test_all_is_pinned(module):
+  if module != "jaxmp":  # jaxmp.nn and jaxmp.models need flax
+    pytest.importorskip("flax")
   mod = __import__(module, fromlist=["_"])
   assert sorted(mod.__all__) == sorted(PUBLIC[module])
   for name in mod.__all__:

@@ -122,3 +122,64 @@ def test_every_listed_module_is_public_and_every_page_is_in_the_toctree():
       assert re.search(rf"^\s+{stem}\s*$", index, re.M), (
         f"docs/api/index.rst's toctree misses {stem}"
       )
+
+
+def deprecated_renames():
+  """``[(old, new), ...]``: every name the library still reads with a warning.
+
+  Found in the code, not listed by hand: the module-level aliases of
+  ``jaxmp`` (its ``_DEPRECATED`` table and functions documented as
+  "Deprecated alias of `jaxmp.X`"), the renamed keys of `jaxmp.stats`, and
+  the `MixedPrecisionState` properties documented as "Deprecated: `new`".
+  """
+  import jaxmp  # pylint: disable=g-import-not-at-top
+  from jaxmp._src import accessors  # pylint: disable=g-import-not-at-top
+
+  pairs = [
+    (f"jaxmp.{old}", f"jaxmp.{new}")
+    for old, (new, _) in jaxmp._DEPRECATED.items()
+  ]  # pylint: disable=protected-access
+  for name, value in vars(jaxmp).items():
+    m = re.match(r"Deprecated alias of `(jaxmp\.\w+)`", value.__doc__ or "")
+    if callable(value) and m:
+      pairs.append((f"jaxmp.{name}", m.group(1)))
+  pairs += [
+    (f'["{old}"]', f'["{new}"]')
+    for old, new in accessors._RENAMED_STATS.items()  # pylint: disable=protected-access
+  ]
+  for name, value in vars(jaxmp.MixedPrecisionState).items():
+    m = re.match(r"Deprecated: `(\w+)`", getattr(value, "__doc__", "") or "")
+    if isinstance(value, property) and m:
+      pairs.append(
+        (f"MixedPrecisionState.{name}", f"MixedPrecisionState.{m.group(1)}")
+      )
+  return pairs
+
+
+def test_changelog_says_what_each_deprecated_name_became_and_when_it_goes():
+  pairs = deprecated_renames()
+  assert len(pairs) >= 6, pairs  # LossScale, loss_scale, 2 keys, 2 fields
+  with open(os.path.join(ROOT, "CHANGELOG.md")) as f:
+    rows = [line for line in f if line.startswith("| `")]
+  for old, new in pairs:
+    assert any(
+      re.search(rf"{re.escape(old)}(?!\w)", row.split(" | ")[0])
+      and re.search(rf"{re.escape(new)}(?!\w)", row.split(" | ")[1])
+      for row in rows
+    ), f"CHANGELOG.md has no row '| `{old}` | `{new}` ... |'"
+  with open(os.path.join(ROOT, "CHANGELOG.md")) as f:
+    assert "removed in 0.2.0" in f.read()
+
+
+def test_every_example_has_a_title_for_the_gallery():
+  # docs/examples.rst renders each examples/*.py under its docstring's first
+  # line; a script without one would get a bare file name.
+  import ast  # pylint: disable=g-import-not-at-top
+
+  folder = os.path.join(ROOT, "examples")
+  scripts = sorted(f for f in os.listdir(folder) if f.endswith(".py"))
+  assert scripts
+  for name in scripts:
+    with open(os.path.join(folder, name)) as f:
+      doc = ast.get_docstring(ast.parse(f.read()))
+    assert doc and doc.splitlines()[0].strip(), f"examples/{name}: no title"

@@ -725,8 +725,8 @@ def autocast(
 
   Matrix products and convolutions run in ``dtype``; exp, log, powers, sums
   and cumulative ops run in float32; every other floating op runs in the
-  widest floating dtype of its inputs (see the module docstring for the
-  table and its mapping to Apex and torch). Integer, bool and float64 values
+  widest floating dtype of its inputs (the Autocast guide has the rules op
+  by op, against Apex O1 and ``torch.autocast``). Integer, bool and float64 values
   are left alone. ``fun`` is traced once per input signature: eager calls
   are jitted and cached.
 

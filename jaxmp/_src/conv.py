@@ -55,7 +55,24 @@ def conv_general_dilated(
   precision=None,
   preferred_element_type=None,
 ):
-  """``lax.conv_general_dilated`` with per-shape CPU lowerings (module doc)."""
+  """``lax.conv_general_dilated`` with faster CPU lowerings, chosen per shape.
+
+  Same arguments, values (exact against ``lax``) and gradients as
+  ``lax.conv_general_dilated``; pass it to
+  ``flax.linen.Conv(conv_general_dilated=...)``. On CPU, for NHWC/HWIO
+  convolutions without dilation or feature groups:
+
+  * 3x3 and larger kernels with more than 4 output pixels: XLA's own
+    convolution, forward and gradients (fastest under
+    `jaxmp.cpu_compiler_options`);
+  * 1x1 kernels: XLA's forward and input gradient, the kernel gradient as
+    one matrix product (2-4x faster than XLA's);
+  * at most 4 output pixels: the whole convolution as one im2col matrix
+    product (XLA:CPU's convolutions are 10-40x slower there).
+
+  Elsewhere, and on other platforms, it is ``lax``'s, gradients included.
+  The timings are in ``bench/cpu_ops.py``.
+  """
   covered = (
     lhs.ndim == 4
     and _is_nhwc(lhs, rhs, dimension_numbers)

@@ -164,7 +164,20 @@ def adjust_loss_scale(
   consecutive_overflows: jax.Array,
   grads_finite: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-  """One step of the loss-scale rule (see the module docstring).
+  """One step of the loss-scale rule: jmp's, which is ``GradScaler``'s.
+
+  For a step whose gradients are ``grads_finite``::
+
+    if finite:
+      counter += 1
+      if counter == period:                   # the period-th finite step
+        counter = 0
+        if isfinite(scale * factor):
+          scale = min(scale * factor, max_loss_scale)
+    else:                                     # the step is skipped
+      counter = 0                             # (overflows counts it)
+      if overflows >= hysteresis:             # hysteresis=1: every overflow
+        scale = max(scale / factor, min_loss_scale)
 
   Args:
     config: the static loss-scale description.

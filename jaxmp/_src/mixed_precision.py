@@ -202,7 +202,7 @@ def mixed_precision(
   ``inner`` on the fp32 gradients and fp32 masters; a non-finite step returns
   zero updates and leaves masters and ``inner``'s state untouched. Then the
   scale is adjusted by jmp's rule, which is GradScaler's (written out in
-  `jaxmp.adjust_loss_scale`'s module, `jaxmp/_src/loss_scale.py`).
+  `jaxmp.adjust_loss_scale`).
 
   For every float16/bfloat16 param the state keeps an fp32 master, and the
   returned (fp32) updates satisfy ``optax.apply_updates(params, updates) ==
@@ -262,8 +262,8 @@ def mixed_precision(
     param): ``m += u``, param ``= cast(m)``.
   - ``"kahan"``: a compensation buffer ``c`` in the param's dtype (2 bytes):
     ``v = param + c``, then ``param, c = split(v + u)``, ``param`` the
-    nearest half value and ``c`` the rest (see `jaxmp.stochastic_round`'s
-    module for the bound). The inner optimizer sees ``param + c``. Each
+    nearest half value and ``c`` the rest. The inner optimizer sees
+    ``param + c``. Each
     step adds an error of at most ``2**-p * ulp(param) / 2`` (``p`` = 8 for
     bfloat16), far below a plain half update's ``ulp / 2``; float16's
     compensation goes subnormal, and loses bits, for params below about

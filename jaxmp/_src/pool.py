@@ -41,8 +41,10 @@ def max_pool(
 
   Same arguments and values as ``flax.linen.max_pool``. For 2-D windows over
   ``[N, H, W, C]`` floating-point inputs on CPU, the gradient is computed tap
-  by tap (see the module docstring); everything else, and every other
-  platform, is flax's.
+  by tap: one strided compare-and-select per window tap, the first maximal
+  tap of each window taking the gradient (as XLA's select-and-scatter does),
+  instead of XLA's select-and-scatter, which XLA:CPU runs as a scalar loop
+  over every window. Everything else, and every other platform, is flax's.
 
   Args:
     inputs: ``[N, H, W, C]`` (other ranks fall back to flax).

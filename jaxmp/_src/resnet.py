@@ -1,10 +1,10 @@
 """ResNet (BasicBlock) in Flax linen with mixed-precision dtypes.
 
-One module, :class:`ResNet`, with ResNet18 as partials:
+One module, `ResNet`, and two functions that build ResNet18:
 
-* :data:`resnet18`: CIFAR stem (3x3 stride-1 conv, no max-pool);
+* `resnet18`: CIFAR stem (3x3 stride-1 conv, no max-pool);
   11,173,962 params for 10 classes.
-* :data:`resnet18_torchvision`: torchvision's ImageNet stem (7x7 stride-2
+* `resnet18_torchvision`: torchvision's ImageNet stem (7x7 stride-2
   conv, BN, ReLU, 3x3 stride-2 max-pool) and initialisers; 11,689,512 params
   for 1000 classes, 11,181,642 for 10.
 
@@ -32,7 +32,7 @@ Porting torchvision weights (``jaxmp.models.from_torchvision`` and
 Conv weights go from torch's ``OIHW`` to flax's ``HWIO``
 (``w.transpose(2, 3, 1, 0)``) and ``fc.weight`` is transposed. torch keeps
 the unbiased running variance, as this module does with
-``unbiased_running_var=True`` (the default of :data:`resnet18_torchvision`);
+``unbiased_running_var=True`` (the default of `resnet18_torchvision`);
 flax's ``nn.BatchNorm`` keeps the biased one. Padding is explicit (torch's), not
 ``"SAME"``, so stride-2 convs line up with torch exactly.
 """
@@ -177,7 +177,7 @@ class ResNet(nn.Module):
       of ``nn.BatchNorm`` + ``nn.relu``.
     unbiased_running_var: Track torch's unbiased running variance
       (``n / (n - 1)`` times the batch variance) in ``batch_stats['var']``;
-      the default of :data:`resnet18_torchvision`.
+      the default of `resnet18_torchvision`.
     cpu_convs: Use ``jaxmp.nn.conv_general_dilated`` and
       ``jaxmp.nn.max_pool``, whose CPU lowerings are chosen per shape (im2col
       products on maps of a few pixels, matrix-product kernel gradients for
@@ -278,14 +278,50 @@ class ResNet(nn.Module):
     return jnp.asarray(x, jnp.promote_types(x.dtype, jnp.float32))
 
 
-resnet18 = functools.partial(ResNet, stage_sizes=(2, 2, 2, 2), stem="cifar")
-resnet18_torchvision = functools.partial(
-  ResNet,
-  stage_sizes=(2, 2, 2, 2),
-  stem="imagenet",
-  init_scheme="torchvision",
-  unbiased_running_var=True,
-)
+def resnet18(**kwargs: Any) -> ResNet:
+  """ResNet18 with the CIFAR stem: a 3x3 stride-1 conv, no max-pool.
+
+  11,173,962 params for 10 classes.
+
+  >>> resnet18(num_classes=100).stem
+  'cifar'
+
+  Args:
+    **kwargs: Other `ResNet` fields (``num_classes``, ``num_filters``,
+      ``dtype``, ``param_dtype``, ``norm_dtype``, ...); they override the
+      defaults ``stage_sizes=(2, 2, 2, 2)`` and ``stem="cifar"``.
+
+  Returns:
+    The `ResNet` module.
+  """
+  return ResNet(**{"stage_sizes": (2, 2, 2, 2), "stem": "cifar", **kwargs})
+
+
+def resnet18_torchvision(**kwargs: Any) -> ResNet:
+  """ResNet18 as torchvision builds it: its ImageNet stem and initialisers.
+
+  A 7x7 stride-2 conv, BN, ReLU and a 3x3 stride-2 max-pool, torchvision's
+  initialisers and its unbiased running variance, so that
+  `jaxmp.models.from_torchvision` weights give torchvision's outputs.
+  11,689,512 params for 1000 classes, 11,181,642 for 10.
+
+  Args:
+    **kwargs: Other `ResNet` fields (``num_classes``, ``num_filters``,
+      ``dtype``, ...); they override the defaults ``stage_sizes=(2, 2, 2,
+      2)``, ``stem="imagenet"``, ``init_scheme="torchvision"`` and
+      ``unbiased_running_var=True``.
+
+  Returns:
+    The `ResNet` module.
+  """
+  defaults = {
+    "stage_sizes": (2, 2, 2, 2),
+    "stem": "imagenet",
+    "init_scheme": "torchvision",
+    "unbiased_running_var": True,
+  }
+  return ResNet(**{**defaults, **kwargs})
+
 
 _MODELS = {
   "resnet18": resnet18,
