@@ -137,7 +137,10 @@ def set_up(
       anything is written.
   """
   mesh_lib.initialize_distributed(
-    s.coordinator_address, s.num_processes, s.process_id
+    s.coordinator_address,
+    s.num_processes,
+    s.process_id,
+    heartbeat_timeout_s=s.distributed_heartbeat_timeout_s,
   )
   startup.enable_compile_cache(s.compile_cache_dir)
   mesh = mesh_lib.create_mesh(

@@ -46,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -392,19 +393,48 @@ def distributed_main(spec_path: str, process_id: int) -> None:
     _print_host_reads(process_id)
     return
   from cifar_train import loop
+  from cifar_train import steps
 
+  if spec.get("one_block"):
+    steps.create_model = _one_block(steps.create_model)
   for j, overrides in enumerate(spec["jobs"]):
-    config = tiny_config(spec["data_dir"], **overrides)
+    overrides = dict(overrides)
+    workdir = overrides.pop("workdir", spec.get("workdir"))
+    config = tiny_config(spec["data_dir"], **spec.get("config", {}))
+    for key, value in overrides.items():
+      config[key] = value
     if j == 0:
       mesh.initialize_distributed(
-        spec["coordinator_address"], spec["num_processes"], process_id
+        spec["coordinator_address"],
+        spec["num_processes"],
+        process_id,
+        heartbeat_timeout_s=config.distributed_heartbeat_timeout_s,
       )
-    summary = loop.train_and_evaluate(config, spec["workdir"])
+      if spec.get("die") == process_id:
+        _die_after_steps(os.path.join(workdir, "steps.jsonl"), 2)
+    summary = loop.train_and_evaluate(config, workdir)
     print(
       f"process {process_id} job {j} fingerprint "
-      f"{summary['params_fingerprint']}",
+      f"{summary['params_fingerprint']} state {summary['state_fingerprint']}",
       flush=True,
     )
+
+
+def _die_after_steps(steps_path: str, count: int) -> None:
+  """SIGKILLs this process once ``steps_path`` logs ``count`` steps."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+
+  def watch():
+    while True:
+      if os.path.exists(steps_path):
+        with open(steps_path) as f:
+          if len(f.read().splitlines()) >= count:
+            print(f"killed after {count} steps at {time.time()}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+      time.sleep(0.05)
+
+  threading.Thread(target=watch, daemon=True).start()
 
 
 def _print_host_reads(process_id: int) -> None:
@@ -459,8 +489,14 @@ def run_distributed(
   num_processes: int,
   local_devices: int,
   timeout: float = 300,
+  returncodes: Optional[list] = None,
 ) -> list[str]:
-  """Runs `distributed_main` in ``num_processes`` processes; their outputs."""
+  """Runs `distributed_main` in ``num_processes`` processes; their outputs.
+
+  Every process must exit 0, unless ``returncodes`` (a list) is given: it
+  then receives ``(returncode, time.time() when it was seen to exit)`` of
+  each process, in order.
+  """
   spec = dict(
     spec,
     num_processes=num_processes,
@@ -491,13 +527,16 @@ def run_distributed(
     for proc in procs:
       out, _ = proc.communicate(timeout=max(deadline - time.time(), 1))
       outputs.append(out)
+      if returncodes is not None:
+        returncodes.append((proc.returncode, time.time()))
   finally:
     for proc in procs:
       if proc.poll() is None:
         proc.kill()
         proc.wait()
-  for proc, out in zip(procs, outputs):
-    assert proc.returncode == 0, out[-4000:]
+  if returncodes is None:
+    for proc, out in zip(procs, outputs):
+      assert proc.returncode == 0, out[-4000:]
   return outputs
 
 
