@@ -46,6 +46,7 @@ from cifar_train import data_sources
 from cifar_train import faults as faults_lib
 from cifar_train import host_stream
 from cifar_train import mesh as mesh_lib
+from cifar_train import preemption as preemption_lib
 from cifar_train import reporting
 from cifar_train import settings as settings_lib
 from cifar_train import startup
@@ -493,11 +494,14 @@ def train_epoch(
   reporter,
   manager,
   clock: Clock,
+  preemption: Optional[preemption_lib.Preemption] = None,
 ) -> tuple[steps.TrainState, dict]:
   """The steps from ``state.step`` to the end of its epoch (or the run).
 
   Logs on log steps (one host fetch each), checks the run's health there,
-  starts the checkpoint saves that are due.
+  starts the checkpoint saves that are due. After each step, a preemption
+  (`preemption_lib.Preemption.reached`) saves a checkpoint at that step and
+  raises `preemption_lib.Preempted`.
 
   Returns:
     ``(state, {"loss", "accuracy", "epoch", "step", "steps", "seconds"})``:
@@ -525,11 +529,16 @@ def train_epoch(
     reporter.progress(step)
     if step % s.log_every_steps == 0 or step == epoch_end:
       _log_step(job, state, metrics, step, reporter)
-    if ckpt_lib.should_save(
+    saved = ckpt_lib.should_save(
       s.checkpoint_every_steps, step, epoch_end, job.total_steps
-    ):
+    )
+    if saved:
       ckpt_lib.save(
         manager, state, step, epoch_end == step, job.steps_per_epoch
+      )
+    if preemption is not None and preemption.reached(step):
+      preemption_lib.save_and_stop(
+        manager, state, step, epoch_end == step, job.steps_per_epoch, saved
       )
   m = mesh_lib.to_host(metrics)
   count = max(int(m["count"]), 1)
@@ -625,6 +634,8 @@ def train(
     manager = resources.enter_context(
       ckpt_lib.open_manager(workdir, s.keep_checkpoints)
     )
+    # SIGTERM / SIGINT from here on: a checkpoint at the step, then stop.
+    preemption = resources.enter_context(preemption_lib.Preemption())
     # The batch source first: where it crops, it pads the data set on a
     # background thread while `restore` initialises the state.
     source = make_batch_source(job)
@@ -664,6 +675,7 @@ def train(
         reporter=reporter,
         manager=manager,
         clock=clock,
+        preemption=preemption,
       )
       step = train["step"]
       test = evaluate(

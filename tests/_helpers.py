@@ -394,6 +394,7 @@ def distributed_main(spec_path: str, process_id: int) -> None:
     return
   from cifar_train import loop
   from cifar_train import steps
+  from cifar_train.errors import Preempted
 
   if spec.get("one_block"):
     steps.create_model = _one_block(steps.create_model)
@@ -412,7 +413,18 @@ def distributed_main(spec_path: str, process_id: int) -> None:
       )
       if spec.get("die") == process_id:
         _die_after_steps(os.path.join(workdir, "steps.jsonl"), 2)
-    summary = loop.train_and_evaluate(config, workdir)
+      sigterm = spec.get("sigterm") or {}
+      if sigterm.get("process") == process_id:
+        _die_after_steps(
+          os.path.join(sigterm["after_steps_of"], "steps.jsonl"),
+          2,
+          signal.SIGTERM,
+        )
+    try:
+      summary = loop.train_and_evaluate(config, workdir)
+    except Preempted as e:
+      print(f"process {process_id} job {j} preempted at step {e.step}")
+      continue
     print(
       f"process {process_id} job {j} fingerprint "
       f"{summary['params_fingerprint']} state {summary['state_fingerprint']}",
@@ -420,9 +432,10 @@ def distributed_main(spec_path: str, process_id: int) -> None:
     )
 
 
-def _die_after_steps(steps_path: str, count: int) -> None:
-  """SIGKILLs this process once ``steps_path`` logs ``count`` steps."""
-  import signal  # pylint: disable=g-import-not-at-top
+def _die_after_steps(
+  steps_path: str, count: int, signum: int = signal.SIGKILL
+) -> None:
+  """Sends ``signum`` to this process once ``steps_path`` logs ``count``."""
   import threading  # pylint: disable=g-import-not-at-top
 
   def watch():
@@ -431,7 +444,8 @@ def _die_after_steps(steps_path: str, count: int) -> None:
         with open(steps_path) as f:
           if len(f.read().splitlines()) >= count:
             print(f"killed after {count} steps at {time.time()}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signum)
+            return
       time.sleep(0.05)
 
   threading.Thread(target=watch, daemon=True).start()
