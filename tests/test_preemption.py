@@ -81,7 +81,7 @@ def test_one_process_saves_at_the_step_and_resumes_exactly(
 def test_two_processes_stop_at_the_same_step_and_resume_exactly(
   data_dir, tiny_data, tmp_path
 ):
-  """SIGTERM to process 1 only; both save at one step, both exit 0.
+  """SIGTERM to process 1 only (after step 3); both save at one step.
 
   One launch runs the uninterrupted reference, then the interrupted run (the
   preemption notice outlives a job, so the rerun is a second launch).
@@ -92,7 +92,7 @@ def test_two_processes_stop_at_the_same_step_and_resume_exactly(
     "data_dir": data_dir,
     "one_block": True,
     "config": CONFIG,
-    "sigterm": {"process": 1, "after_steps_of": cut},
+    "sigterm": {"process": 1, "job": 1, "step": 3},
   }
   outputs = run_distributed(
     dict(spec, jobs=[{"workdir": whole}, {"workdir": cut}]),
