@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 import ml_collections
 
 from cifar_train import settings
+from cifar_train.errors import Preempted
 from cifar_train.errors import UserError
 
 
@@ -44,6 +45,8 @@ def run(
     loop.train(resolved, workdir, data=data, config_record=config.to_dict())
   except UserError as e:
     return fail(str(e))
+  except Preempted:  # Saved; the same command resumes.
+    return 0
   return 0
 
 

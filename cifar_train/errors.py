@@ -27,3 +27,14 @@ class WorkdirError(UserError, PermissionError):
 
 class TrainingError(UserError, RuntimeError):
   """Training cannot go on: the loss itself is NaN/inf or the scale collapsed."""
+
+
+class Preempted(Exception):
+  """The run stopped at ``step`` on SIGTERM or SIGINT, after a checkpoint.
+
+  Not an error: the command line exits 0, and the same command resumes.
+  """
+
+  def __init__(self, step: int):
+    super().__init__(f"preempted at step {step}: checkpoint saved")
+    self.step = step

@@ -46,6 +46,7 @@ from cifar_train import data_sources
 from cifar_train import faults as faults_lib
 from cifar_train import host_stream
 from cifar_train import mesh as mesh_lib
+from cifar_train import preemption as preemption_lib
 from cifar_train import reporting
 from cifar_train import settings as settings_lib
 from cifar_train import startup
@@ -137,7 +138,10 @@ def set_up(
       anything is written.
   """
   mesh_lib.initialize_distributed(
-    s.coordinator_address, s.num_processes, s.process_id
+    s.coordinator_address,
+    s.num_processes,
+    s.process_id,
+    heartbeat_timeout_s=s.distributed_heartbeat_timeout_s,
   )
   startup.enable_compile_cache(s.compile_cache_dir)
   mesh = mesh_lib.create_mesh(
@@ -490,11 +494,14 @@ def train_epoch(
   reporter,
   manager,
   clock: Clock,
+  preemption: Optional[preemption_lib.Preemption] = None,
 ) -> tuple[steps.TrainState, dict]:
   """The steps from ``state.step`` to the end of its epoch (or the run).
 
   Logs on log steps (one host fetch each), checks the run's health there,
-  starts the checkpoint saves that are due.
+  starts the checkpoint saves that are due. After each step, a preemption
+  (`preemption_lib.Preemption.reached`) saves a checkpoint at that step and
+  raises `preemption_lib.Preempted`.
 
   Returns:
     ``(state, {"loss", "accuracy", "epoch", "step", "steps", "seconds"})``:
@@ -522,11 +529,16 @@ def train_epoch(
     reporter.progress(step)
     if step % s.log_every_steps == 0 or step == epoch_end:
       _log_step(job, state, metrics, step, reporter)
-    if ckpt_lib.should_save(
+    saved = ckpt_lib.should_save(
       s.checkpoint_every_steps, step, epoch_end, job.total_steps
-    ):
+    )
+    if saved:
       ckpt_lib.save(
         manager, state, step, epoch_end == step, job.steps_per_epoch
+      )
+    if preemption is not None and preemption.reached(step):
+      preemption_lib.save_and_stop(
+        manager, state, step, epoch_end == step, job.steps_per_epoch, saved
       )
   m = mesh_lib.to_host(metrics)
   count = max(int(m["count"]), 1)
@@ -622,6 +634,8 @@ def train(
     manager = resources.enter_context(
       ckpt_lib.open_manager(workdir, s.keep_checkpoints)
     )
+    # SIGTERM / SIGINT from here on: a checkpoint at the step, then stop.
+    preemption = resources.enter_context(preemption_lib.Preemption())
     # The batch source first: where it crops, it pads the data set on a
     # background thread while `restore` initialises the state.
     source = make_batch_source(job)
@@ -661,6 +675,7 @@ def train(
         reporter=reporter,
         manager=manager,
         clock=clock,
+        preemption=preemption,
       )
       step = train["step"]
       test = evaluate(

@@ -12,21 +12,39 @@ from cifar_train.errors import ConfigError
 
 
 def initialize_distributed(
-  coordinator_address: str = "", num_processes: int = 1, process_id: int = 0
+  coordinator_address: str = "",
+  num_processes: int = 1,
+  process_id: int = 0,
+  *,
+  heartbeat_timeout_s: int = 30,
 ) -> None:
   """Joins a multi-process run when one is configured; no-op otherwise.
 
   ``coordinator_address`` (with ``num_processes`` and ``process_id``) starts
   `jax.distributed` explicitly; otherwise a cluster launcher that JAX detects
   (SLURM, Open MPI, ``JAX_COORDINATOR_ADDRESS``) does.
+
+  A process that sends no heartbeat for ``heartbeat_timeout_s`` seconds is
+  dead: JAX's coordination service then aborts every other process (exit
+  code 134, SIGABRT) with ``The following tasks are unhealthy (stopped
+  sending heartbeats): <process ids>``, rather than leaving it waiting in a
+  collective. Joining waits at most ``max(60, 2 * heartbeat_timeout_s)``
+  seconds for every process to start.
   """
+  timeouts = dict(
+    heartbeat_timeout_seconds=int(heartbeat_timeout_s),
+    initialization_timeout=max(60, 2 * int(heartbeat_timeout_s)),
+    shutdown_timeout_seconds=max(10, int(heartbeat_timeout_s)),
+  )
   if coordinator_address:
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    jax.distributed.initialize(
+      coordinator_address, num_processes, process_id, **timeouts
+    )
   elif any(
     v in os.environ
     for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
   ):
-    jax.distributed.initialize()
+    jax.distributed.initialize(**timeouts)
 
 
 def create_mesh(num_devices: int, batch_sizes: dict[str, int]) -> Mesh:

@@ -101,6 +101,7 @@ class Settings:
   coordinator_address: str
   num_processes: int
   process_id: int
+  distributed_heartbeat_timeout_s: int
   seed: int
   log_every_steps: int
   checkpoint_every_steps: int
@@ -214,6 +215,7 @@ def resolve(config: ml_collections.ConfigDict) -> Settings:
     "num_filters",
     "num_epochs",
     "log_every_steps",
+    "distributed_heartbeat_timeout_s",
   ):
     if int(config[key]) < 1:
       raise ConfigError(f"{key} must be >= 1, got {config[key]}")
@@ -269,6 +271,7 @@ def resolve(config: ml_collections.ConfigDict) -> Settings:
     coordinator_address=config.coordinator_address,
     num_processes=int(config.num_processes),
     process_id=int(config.process_id),
+    distributed_heartbeat_timeout_s=int(config.distributed_heartbeat_timeout_s),
     seed=int(config.seed),
     log_every_steps=int(config.log_every_steps),
     checkpoint_every_steps=int(config.checkpoint_every_steps),

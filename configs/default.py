@@ -89,6 +89,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.coordinator_address = ""  # e.g. "10.0.0.1:1234"
   config.num_processes = 1
   config.process_id = 0
+  # A process that sends no heartbeat for this long is dead: every other
+  # process then exits with an error that names it, instead of waiting in a
+  # collective for ever.
+  config.distributed_heartbeat_timeout_s = 30
 
   # Bookkeeping.
   config.seed = 0

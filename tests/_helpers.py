@@ -46,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -392,19 +393,84 @@ def distributed_main(spec_path: str, process_id: int) -> None:
     _print_host_reads(process_id)
     return
   from cifar_train import loop
+  from cifar_train import steps
+  from cifar_train.errors import Preempted
 
+  if spec.get("one_block"):
+    steps.create_model = _one_block(steps.create_model)
+  job_index = _JOB_INDEX
   for j, overrides in enumerate(spec["jobs"]):
-    config = tiny_config(spec["data_dir"], **overrides)
+    overrides = dict(overrides)
+    workdir = overrides.pop("workdir", spec.get("workdir"))
+    config = tiny_config(spec["data_dir"], **spec.get("config", {}))
+    for key, value in overrides.items():
+      config[key] = value
     if j == 0:
       mesh.initialize_distributed(
-        spec["coordinator_address"], spec["num_processes"], process_id
+        spec["coordinator_address"],
+        spec["num_processes"],
+        process_id,
+        heartbeat_timeout_s=config.distributed_heartbeat_timeout_s,
       )
-    summary = loop.train_and_evaluate(config, spec["workdir"])
+      if spec.get("die") == process_id:
+        _die_after_steps(os.path.join(workdir, "steps.jsonl"), 2)
+      sigterm = spec.get("sigterm") or {}
+      if sigterm.get("process") == process_id:
+        _sigterm_at_step(sigterm["job"], sigterm["step"])
+    job_index[0] = j
+    try:
+      summary = loop.train_and_evaluate(config, workdir)
+    except Preempted as e:
+      print(f"process {process_id} job {j} preempted at step {e.step}")
+      continue
     print(
       f"process {process_id} job {j} fingerprint "
-      f"{summary['params_fingerprint']}",
+      f"{summary['params_fingerprint']} state {summary['state_fingerprint']}",
       flush=True,
     )
+
+
+_JOB_INDEX = [0]  # The job `distributed_main` runs now.
+
+
+def _sigterm_at_step(job: int, step: int) -> None:
+  """SIGTERM to this process after ``step`` of job ``job``, then 2 s still.
+
+  At a step, not from a thread: on a warm compile cache the 6 steps take
+  less than the notice needs to reach the other process. The pause lets
+  JAX's coordination service tell the other process before either reaches
+  the next preemption check.
+  """
+  from cifar_train import preemption  # pylint: disable=g-import-not-at-top
+
+  reached = preemption.Preemption.reached
+
+  def patched(self, at: int) -> bool:
+    if _JOB_INDEX[0] == job and at == step:
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(2)
+    return reached(self, at)
+
+  preemption.Preemption.reached = patched
+
+
+def _die_after_steps(
+  steps_path: str, count: int, signum: int = signal.SIGKILL
+) -> None:
+  """Sends ``signum`` to this process once ``steps_path`` logs ``count``."""
+  import threading  # pylint: disable=g-import-not-at-top
+
+  def watch():
+    while True:
+      if os.path.exists(steps_path):
+        with open(steps_path) as f:
+          if len(f.read().splitlines()) >= count:
+            print(f"killed after {count} steps at {time.time()}", flush=True)
+            os.kill(os.getpid(), signum)
+            return
+      time.sleep(0.05)
+
+  threading.Thread(target=watch, daemon=True).start()
 
 
 def _print_host_reads(process_id: int) -> None:
@@ -459,8 +525,14 @@ def run_distributed(
   num_processes: int,
   local_devices: int,
   timeout: float = 300,
+  returncodes: Optional[list] = None,
 ) -> list[str]:
-  """Runs `distributed_main` in ``num_processes`` processes; their outputs."""
+  """Runs `distributed_main` in ``num_processes`` processes; their outputs.
+
+  Every process must exit 0, unless ``returncodes`` (a list) is given: it
+  then receives ``(returncode, time.time() when it was seen to exit)`` of
+  each process, in order.
+  """
   spec = dict(
     spec,
     num_processes=num_processes,
@@ -491,13 +563,16 @@ def run_distributed(
     for proc in procs:
       out, _ = proc.communicate(timeout=max(deadline - time.time(), 1))
       outputs.append(out)
+      if returncodes is not None:
+        returncodes.append((proc.returncode, time.time()))
   finally:
     for proc in procs:
       if proc.poll() is None:
         proc.kill()
         proc.wait()
-  for proc, out in zip(procs, outputs):
-    assert proc.returncode == 0, out[-4000:]
+  if returncodes is None:
+    for proc, out in zip(procs, outputs):
+      assert proc.returncode == 0, out[-4000:]
   return outputs
 
 

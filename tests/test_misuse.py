@@ -155,7 +155,12 @@ class TestCapturedState:
     def step_scale_loss(params, x):
       return jax.grad(lambda p: jaxmp.scale_loss(_loss(p, x), captured))(params)
 
-    with pytest.warns(UserWarning, match=r"pass.*as an argument|argument"):
+    with pytest.warns(
+      UserWarning,
+      match=r"^jaxmp\.scale_loss got an opt_state that is a constant of the "
+      r"function being traced .*Pass opt_state to the jitted step as an "
+      r"argument",
+    ):
       step_scale_loss(params, _x())
 
   def test_an_argument_or_an_eager_call_does_not_warn(self):

@@ -43,21 +43,44 @@ def _scale_trajectory(pattern, **kwargs):
   return used, finite, state
 
 
-def _grad_scaler_rule(pattern, init, growth_interval, factor):
-  """torch.amp.GradScaler's documented update rule, in plain Python."""
-  scale, tracker, used = init, 0, []
+def _grad_scaler_rule(pattern, init, growth_interval, factor, hysteresis=1):
+  """torch.amp.GradScaler's documented update rule, in plain Python (float64).
+
+  GradScaler (``growth_factor=factor, backoff_factor=1/factor``): an overflow
+  multiplies the scale by ``backoff_factor`` and resets the growth tracker;
+  the ``growth_interval``-th finite step in a row multiplies it by
+  ``growth_factor`` where that stays finite. ``hysteresis`` > 1 is
+  DeepSpeed's ``DynamicLossScaler(delayed_shift=hysteresis,
+  consecutive_hysteresis=True)``: the back-off waits for the
+  ``hysteresis``-th overflow in a row, and any finite step resets the count.
+  """
+  scale, tracker, overflows, used = float(init), 0, 0, []
   for found_inf in pattern:
     used.append(scale)
     if found_inf:
-      scale *= 1.0 / factor
       tracker = 0
+      overflows += 1
+      if overflows >= hysteresis:
+        scale *= 1.0 / factor
     else:
+      overflows = 0
       tracker += 1
       if tracker == growth_interval:
         if math.isfinite(scale * factor):
           scale *= factor
         tracker = 0
   return used
+
+
+def _overflow_pattern(n, seed, p_bad=0.15, runs=False):
+  """A scripted overflow pattern; ``runs`` adds runs of 2-4 overflows."""
+  rng = np.random.default_rng(seed)
+  pattern = list(rng.random(n) < p_bad)
+  if runs:
+    for start in rng.choice(n - 4, size=n // 25, replace=False):
+      length = int(rng.integers(2, 5))
+      pattern[start : start + length] = [True] * length
+  return pattern
 
 
 class TestLossScaleRule:
@@ -86,6 +109,66 @@ class TestLossScaleRule:
     )
     assert finite == [not b for b in pattern]
     assert used == _grad_scaler_rule(pattern, 2.0**16, 4, 2)
+
+  def test_factor_4_matches_grad_scaler(self):
+    """Growth x4 and back-off /4, not a hard-coded 2."""
+    pattern = _overflow_pattern(300, seed=1, p_bad=0.2)
+    used, finite, _ = _scale_trajectory(
+      pattern,
+      loss_scale=dynamic_loss_scale(
+        2.0**16, period=3, factor=4, min_loss_scale=2.0 ** (-100)
+      ),
+      max_loss_scale=None,
+    )
+    assert finite == [not b for b in pattern]
+    expected = _grad_scaler_rule(pattern, 2.0**16, 3, 4)
+    assert used == expected
+    # Both directions happen, and the scale stays inside float32's range.
+    ratios = {b / a for a, b in zip(expected, expected[1:]) if a != b}
+    assert ratios == {4.0, 0.25}
+    assert 2.0**-100 < min(expected) and max(expected) < 2.0**100
+
+  def test_hysteresis_3_matches_grad_scaler_with_delayed_shift(self):
+    pattern = _overflow_pattern(300, seed=2, p_bad=0.1, runs=True)
+    used, finite, _ = _scale_trajectory(
+      pattern,
+      loss_scale=dynamic_loss_scale(
+        2.0**16, period=4, factor=2, min_loss_scale=2.0 ** (-100)
+      ),
+      max_loss_scale=None,
+      hysteresis=3,
+    )
+    assert finite == [not b for b in pattern]
+    expected = _grad_scaler_rule(pattern, 2.0**16, 4, 2, hysteresis=3)
+    assert used == expected
+    # The pattern holds overflows that must not back off (1st and 2nd of a
+    # run) and runs long enough to back off twice in a row.
+    assert expected != _grad_scaler_rule(pattern, 2.0**16, 4, 2)
+    halvings = [b / a == 0.5 for a, b in zip(expected, expected[1:])]
+    assert any(x and y for x, y in zip(halvings, halvings[1:]))
+
+  def test_python_rule_is_torch_grad_scalers(self):
+    """The reference above against torch's own GradScaler, where installed."""
+    torch = pytest.importorskip("torch")
+    pattern = _overflow_pattern(120, seed=3, p_bad=0.2)
+    param = torch.nn.Parameter(torch.ones(2))
+    sgd = torch.optim.SGD([param], lr=0.1)
+    scaler = torch.amp.GradScaler(
+      "cpu",
+      init_scale=2.0**16,
+      growth_factor=4.0,
+      backoff_factor=0.25,
+      growth_interval=3,
+    )
+    used = []
+    for bad in pattern:
+      used.append(scaler.get_scale())
+      sgd.zero_grad()
+      loss = (param * (math.inf if bad else 1.0)).sum()
+      scaler.scale(loss).backward()
+      scaler.step(sgd)
+      scaler.update()
+    assert used == _grad_scaler_rule(pattern, 2.0**16, 3, 4)
 
   def test_floor_holds(self):
     used, _, state = _scale_trajectory(

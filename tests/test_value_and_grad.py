@@ -119,6 +119,70 @@ def test_half_loss_is_scaled_in_fp32():
   assert bool(state.step_applied)
 
 
+def _recorder():
+  """An inner optimizer that keeps the gradients it is given as its state."""
+
+  def init(params):
+    return jax.tree.map(jnp.zeros_like, params)
+
+  def update(grads, state, params=None):
+    del state, params
+    return jax.tree.map(jnp.zeros_like, grads), grads
+
+  return optax.GradientTransformation(init, update)
+
+
+def test_unscaled_grads_equal_jax_grad_on_growth_and_back_off_steps():
+  """The gradients ``update`` unscales are those of the untransformed loss.
+
+  Compared with `jax.grad` of ``_loss`` itself (no scale, no optimizer):
+  scaling by a power of two is exact in fp16 and fp32 while nothing over-
+  or underflows, so they must be equal bit for bit. Step 0 grows the scale
+  (period 1): unscaling by the next step's scale would halve them. Step 1
+  overflows in fp16 (``y`` is 1e5 away from the output: ``w``'s cotangent
+  is inf) and backs off: ``b``'s gradient stays finite in fp32, and the
+  diagnostics' largest finite ``|unscaled gradient|`` of it must be
+  ``jax.grad``'s, not twice it.
+  """
+  opt = jaxmp.mixed_precision(
+    _recorder(),
+    loss_scale=jmp.DynamicLossScale(jnp.float32(2.0**5), period=1),
+    diagnostics=True,
+  )
+  params, (x, y) = _params(), _batch()
+  state = opt.init(params)
+  step = jax.jit(
+    lambda p, s, x, y: opt.update(
+      jaxmp.value_and_grad(_loss)(p, s, x, y)[1], s, p
+    )[1]
+  )
+  ref = jax.grad(_loss)(params, x, y)
+
+  grown = step(params, state, x, y)  # A growth step.
+  assert bool(grown.step_applied)
+  assert float(grown.loss_scale) == 2.0**6
+  seen = grown.inner_state
+  assert seen["w"].dtype == jnp.float32
+  np.testing.assert_array_equal(
+    np.asarray(seen["w"]), np.asarray(ref["w"], np.float32)
+  )
+  np.testing.assert_array_equal(np.asarray(seen["b"]), np.asarray(ref["b"]))
+  assert np.max(np.abs(np.asarray(ref["b"]))) > 0
+
+  far = y + 1e5  # A back-off step: fp16 overflows at scale 2**6.
+  ref = jax.grad(_loss)(params, x, far)
+  assert np.all(np.isfinite(np.asarray(ref["w"])))  # Finite unscaled.
+  backed = step(params, grown, x, far)
+  assert not bool(backed.step_applied)
+  assert float(backed.loss_scale) == 2.0**5
+  _assert_trees_equal(backed.inner_state, grown.inner_state)  # Skipped.
+  paths = backed.diagnostics.paths
+  max_abs = dict(zip(paths, np.asarray(backed.diagnostics.max_abs)))
+  nonfinite = dict(zip(paths, np.asarray(backed.diagnostics.nonfinite)))
+  assert nonfinite["['w']"] > 0 and nonfinite["['b']"] == 0
+  assert max_abs["['b']"] == np.max(np.abs(np.asarray(ref["b"])))
+
+
 @pytest.mark.invariant
 def test_jit_steps_match_scale_loss_bitwise():
   opt = _opt()
@@ -149,7 +213,7 @@ def test_multi_steps():
   assert not np.array_equal(np.asarray(b["w"]), np.asarray(params["w"]))
 
 
-@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 CPU devices")
+@pytest.mark.devices(4)
 def test_shard_map_with_axis_name():
   mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
   opt = _opt(axis_name="data")
