@@ -168,7 +168,7 @@ class HostStream:
     """
     r, s = self._replicated, self._stacked
     return jax.jit(
-      device_data.loop_over_batches(train_step, self._batch_sharding),
+      device_data.loop_over_batches(train_step, self._batch_sharding, self._k),
       in_shardings=(r, s, s, None, r),
       out_shardings=(r, r),
       donate_argnums=(0, 4),
@@ -238,7 +238,7 @@ class DeviceResident:
     batch_sharding: NamedSharding,
     steps_per_call: int = 1,
   ):
-    del steps_per_call  # A call of any size takes the same arguments.
+    self._k = steps_per_call
     self._num_examples = len(data.train_images)
     self._arrays = jax.device_put(
       (
@@ -263,7 +263,9 @@ class DeviceResident:
   def jit_step(self, train_step):
     """``train_step`` jitted to build its batches from the resident set."""
     r = self._replicated
-    step = device_data.make_device_train_step(train_step, self._batch_sharding)
+    step = device_data.make_device_train_step(
+      train_step, self._batch_sharding, self._k
+    )
     return jax.jit(
       step,
       in_shardings=(r, r, r, r, r, r, r, None, None, r),

@@ -54,18 +54,24 @@ def device_batch(
   return table[pixels.astype(jnp.int32), channels], labels[index]
 
 
-def _loop(one, args_of):
+def _loop(one, args_of, steps_per_call):
   """``train_steps(state, *args, n, metrics)``: ``one`` for ``i`` in ``[0, n)``.
 
-  ``n`` is an argument (a runtime int32), so that one program runs a call
-  of any number of steps: XLA compiles the step once, as the body of a
-  while loop, and every step of a run, whatever its call's size, runs that
-  same code. (A loop of a static length compiles its body apart from a
-  lone step, with other fusions: the same steps, a few ULPs apart.)
+  With ``steps_per_call`` k > 1, ``n`` is an argument (a runtime int32), so
+  that one program runs a call of any number of steps up to k: XLA compiles
+  the step once, as the body of a while loop, and every step of a run,
+  whatever its call's size, runs that same code. (A loop of a static length
+  compiles its body apart from a lone step, with other fusions: the same
+  steps, a few ULPs apart.) With k = 1 the program is the lone step, ``n``
+  (always 1) unused: XLA:CPU runs a while loop's body about 5x slower than
+  the same step alone (a one-block ResNet, 2 cores).
   """
 
   def train_steps(state, *args):
     *args, n, metrics = args
+    if steps_per_call == 1:
+      del n
+      return one(state, *args_of(args, 0), metrics)
 
     def body(i, carry):
       state, metrics = carry
@@ -76,7 +82,7 @@ def _loop(one, args_of):
   return train_steps
 
 
-def make_device_train_step(train_step, batch_sharding=None):
+def make_device_train_step(train_step, batch_sharding=None, steps_per_call=1):
   """``train_step`` over a data set kept on the devices, n steps a call.
 
   Returns ``step(state, padded, labels, table, plan_index, plan_offsets,
@@ -84,7 +90,8 @@ def make_device_train_step(train_step, batch_sharding=None):
   - 1`` of the epoch's plan it builds the batch with `device_batch`
   (sharded like ``batch_sharding`` when given) and runs
   ``train_step(state, images, labels, metrics)``. ``n`` is a runtime
-  value (`_loop`): calls of any size run the same program, bit for bit.
+  value (`_loop`): calls of any size up to ``steps_per_call`` run the same
+  program, bit for bit.
   """
 
   def step(state, padded, labels, table, index, offsets, flips, k, metrics):
@@ -97,10 +104,10 @@ def make_device_train_step(train_step, batch_sharding=None):
     x, y = device_batch(padded, labels, table, index, offsets, flips)
     return train_step(state, x, y, metrics)
 
-  return _loop(step, lambda a, i: (*a[:-1], a[-1] + i))
+  return _loop(step, lambda a, i: (*a[:-1], a[-1] + i), steps_per_call)
 
 
-def loop_over_batches(train_step, batch_sharding=None):
+def loop_over_batches(train_step, batch_sharding=None, steps_per_call=1):
   """``train_step(state, x, y, metrics)`` over the first n of k batches.
 
   Returns ``step(state, xs, ys, n, metrics)`` for ``xs`` ``[k, B, ...]``
@@ -115,4 +122,4 @@ def loop_over_batches(train_step, batch_sharding=None):
       y = jax.lax.with_sharding_constraint(y, batch_sharding)
     return x, y
 
-  return _loop(train_step, batch)
+  return _loop(train_step, batch, steps_per_call)

@@ -82,8 +82,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.batch_size = 128
   config.eval_batch_size = 500
   # Train steps per jitted call: one program loops over up to k steps (its
-  # step count a runtime value, so every call size runs the same code: bit
-  # for bit the run of single steps), for steps too short to hide the host's
+  # step count a runtime value, so that every call size runs the same code,
+  # bit for bit; k = 1 is the lone step, no loop), for steps too short to hide the host's
   # dispatch (small models, small batches on a GPU). "auto": 1 on a CPU;
   # elsewhere the largest k <= 8 that divides the steps of an epoch,
   # log_every_steps and checkpoint_every_steps (when set). A call never runs
