@@ -6,7 +6,7 @@ Used by ``bench/gpu_bench.py`` (``bash bench/gpu.sh``); runs alone too:
     python bench/seed_job.py --data_dir DIR         # an image folder
     python bench/seed_job.py --smoke                # tiny, on a CPU
 
-(``--smoke``: 2048 synthetic images, 3 epochs, 8 filters, the app's model
+(``--smoke``: 8192 synthetic images, 3 epochs, 8 filters, the app's model
 with one block (``bench/_train_one_block.py``), 2 loader workers.)
 
 Steps, each a fresh process:
@@ -190,7 +190,7 @@ def complete(args):
   args.epochs = args.epochs or (3 if args.smoke else 10)
   args.workers = args.workers or (2 if args.smoke else 8)
   args.one_block = args.smoke  # bench/_train_one_block.py: seconds to compile.
-  args.train_examples = 2048 if args.smoke else 50_000
+  args.train_examples = 8192 if args.smoke else 50_000
   args.test_examples = 256 if args.smoke else 10_000
   args.filters = 8 if args.smoke else 64
   args.batch = 128
