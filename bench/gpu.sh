@@ -1,26 +1,54 @@
 #!/usr/bin/env bash
-# One-shot GPU benchmark of jaxmp (run from the repo root on the GPU machine):
+# The one GPU command of jaxmp (run from anywhere; offline is fine):
 #
-#   bash bench/gpu.sh            # under 8 minutes; extra args go to gpu_bench.py
+#   bash bench/gpu.sh                    # one GPU, under 8 minutes
+#   bash bench/gpu.sh --data_dir DIR     # the seed job on an image folder
+#   bash bench/gpu.sh --smoke            # tiny sizes, on a CPU
 #
-# Installs jmp, ml_collections and absl-py offline from bench/wheels (pure
-# Python wheels kept in the repo) when they are missing, then runs
-# bench/gpu_bench.py, which prints one table and the headline lines.
+# Step rows of both ResNet18s (jaxmp O1/O2/O0 TF32/bf16 against torch AMP
+# channels_last, eager and compiled), then the seed's job (the app's
+# configs/seed.py, cold and warm compile cache, against the seed's PyTorch
+# script with torch.amp): one table, the headline lines, and a JSON file
+# (gpu_bench.json; --json PATH). Other arguments go to bench/gpu_bench.py.
+#
+# The app's packages that the GPU image lacks (tensorflow-datasets,
+# array-record, jmp, ml_collections, tensorboardX, promise, ...) are
+# installed offline from bench/gpu_wheels/ (fetched beforehand, where pip
+# reaches PyPI, by `bash bench/gpu_wheels.sh`) into bench/.gpu_site/, each
+# only when it does not import, and that folder goes on PYTHONPATH.
 set -u
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
+SITE="$PWD/bench/.gpu_site"
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
-if ! "$PY" -c "import jmp, ml_collections, absl" 2>/dev/null; then
-  if [ -d bench/wheels ]; then
-    echo "installing jmp, ml_collections, absl-py from bench/wheels"
-    "$PY" -m pip install -q --no-index --find-links bench/wheels \
-      jmp ml_collections absl-py || echo "warning: offline install failed"
-  else
-    echo "bench/wheels missing: trying pip install --no-deps"
-    "$PY" -m pip install -q --no-deps jmp ml_collections absl-py \
-      || echo "warning: pip install failed; continuing"
-  fi
+# wheel-name prefix -> module it provides.
+declare -A MODULES=(
+  [tensorflow_datasets]=tensorflow_datasets [array_record]=array_record
+  [jmp]=jmp [ml_collections]=ml_collections [tensorboardx]=tensorboardX
+  [promise]=promise [absl_py]=absl [dm_tree]=tree [etils]=etils
+  [immutabledict]=immutabledict [simple_parsing]=simple_parsing
+  [docstring_parser]=docstring_parser [tensorflow_metadata]=tensorflow_metadata
+  [termcolor]=termcolor [toml]=toml [wrapt]=wrapt
+)
+missing=()
+for wheel in bench/gpu_wheels/*.whl; do
+  [ -e "$wheel" ] || break
+  name="$(basename "$wheel" | cut -d- -f1 | tr 'A-Z' 'a-z')"
+  module="${MODULES[$name]:-}"
+  [ -n "$module" ] || continue
+  "$PY" -c "import $module" 2>/dev/null || missing+=("$wheel")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "installing offline into bench/.gpu_site: ${missing[*]##*/}"
+  "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "${missing[@]}" \
+    || echo "warning: offline install failed"
 fi
+for module in jmp ml_collections tensorflow_datasets array_record; do
+  "$PY" -c "import $module" 2>/dev/null \
+    || echo "warning: $module does not import (run bench/gpu_wheels.sh where pip works)"
+done
 "$PY" -c "import jax; print('jax devices:', jax.devices())" || true
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+command -v nvidia-smi >/dev/null \
+  && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 exec "$PY" bench/gpu_bench.py "$@"

@@ -22,8 +22,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxmp
 from cifar_train import device_data
@@ -37,7 +39,24 @@ class BatchSource(Protocol):
   """What the loop needs of a data mode."""
 
   def jit_step(self, train_step: steps.TrainStep) -> Any:
-    """The jitted ``step(state, *args, metrics) -> (state, metrics)``."""
+    """The jitted ``step(state, *args, metrics) -> (state, metrics)``.
+
+    One call runs as many steps as the ``args`` of `calls` say (up to the
+    source's ``steps_per_call``), in one program for every size.
+    """
+
+  def calls(
+    self,
+    state: steps.TrainState,
+    epoch: int,
+    start_batch: int,
+    sizes: Sequence[int],
+  ) -> Iterator[tuple[Any, ...]]:
+    """The ``args`` of calls of ``sizes[0], sizes[1], ...`` steps of ``epoch``.
+
+    The calls run batches ``start_batch ..`` in order; every size is at
+    most the source's ``steps_per_call``.
+    """
 
   def epoch(
     self,
@@ -52,7 +71,7 @@ class BatchSource(Protocol):
     """``(images, labels)`` that a step on ``args`` of `epoch` trains on."""
 
   def step_args_like(self) -> tuple[Any, ...]:
-    """What `epoch` yields, as shapes, dtypes and shardings only.
+    """What `calls` yields for a call, as shapes, dtypes and shardings only.
 
     Lets `jit_step`'s step be traced and compiled before any batch exists
     (`jax.jit(...).trace(state, *args, metrics)`); a step called later on
@@ -127,8 +146,10 @@ class HostStream:
     replicated: NamedSharding,
     batch_sharding: NamedSharding,
     prefetch_batches: int = 2,
+    steps_per_call: int = 1,
   ):
     self._num_examples = len(data.train_images)
+    self._k = steps_per_call
     self._batches = host_stream.HostBatches(
       data.train_images, data.train_labels, mean=mean, std=std, crops=augment
     )
@@ -137,20 +158,29 @@ class HostStream:
     self._batch_sharding = batch_sharding
     self._prefetch = prefetch_batches
     self._image_shape = tuple(data.train_images.shape[1:])
+    self._stacked = NamedSharding(batch_sharding.mesh, P(None, "data"))
 
   def jit_step(self, train_step):
-    """``train_step`` jitted over host batches: ``(state, x, y, metrics)``."""
-    r, b = self._replicated, self._batch_sharding
+    """``train_step`` jitted over host batches: ``(state, xs, ys, n, metrics)``.
+
+    ``xs`` and ``ys`` stack ``steps_per_call`` batches; the call trains on
+    the first ``n`` (`device_data.loop_over_batches`).
+    """
+    r, s = self._replicated, self._stacked
     return jax.jit(
-      train_step,
-      in_shardings=(r, b, b, r),
+      device_data.loop_over_batches(train_step, self._batch_sharding, self._k),
+      in_shardings=(r, s, s, None, r),
       out_shardings=(r, r),
-      donate_argnums=(0, 3),
+      donate_argnums=(0, 4),
       compiler_options=jaxmp.cpu_compiler_options() or None,
     )
 
   def epoch(self, state, epoch, start_batch, num_batches):
     """The batches ``start_batch..`` of ``epoch``, placed on the mesh."""
+    return self.calls(state, epoch, start_batch, [1] * num_batches)
+
+  def calls(self, state, epoch, start_batch, sizes):
+    """Each call's batches, stacked ``steps_per_call`` deep, on the mesh."""
     del state  # The batches are a function of (seed, epoch) alone.
     plan = host_stream.epoch_plan(
       epoch=epoch, num_examples=self._num_examples, **self._plan_args
@@ -158,25 +188,37 @@ class HostStream:
     local = self._batches.epoch(
       plan, start_batch, jax.process_index(), jax.process_count()
     )
-    place = lambda b: mesh.global_batch(b, self._batch_sharding)
-    for b in prefetch(
-      itertools.islice(local, num_batches), self._prefetch, place
-    ):
-      yield b["image"], b["label"]
+    sizes = list(sizes)
+    groups = (list(itertools.islice(local, n)) for n in sizes)
 
-  def batch(self, state, images, labels):
-    """The step's batch is its arguments."""
-    del state
-    return images, labels
+    def place(group):
+      n = len(group)
+      stacked = {}
+      for key, first in group[0].items():
+        if self._k == 1:
+          stacked[key] = first[None]
+        else:  # Past n: zeros, never read.
+          stacked[key] = np.zeros((self._k, *first.shape), first.dtype)
+          stacked[key][:n] = [g[key] for g in group]
+      b = mesh.global_batch(stacked, self._stacked)
+      return b["image"], b["label"], np.int32(n)
+
+    yield from prefetch(groups, self._prefetch, place)
+
+  def batch(self, state, images, labels, n):
+    """The call's first batch is the first of its arguments."""
+    del state, n
+    return images[0], labels[0]
 
   def step_args_like(self):
-    """float32 images (`host_stream.normalize`) and int32 labels."""
-    b, sharding = self._plan_args["batch_size"], self._batch_sharding
+    """float32 images (`host_stream.normalize`), int32 labels, the count."""
+    b, k, sharding = self._plan_args["batch_size"], self._k, self._stacked
     return (
       jax.ShapeDtypeStruct(
-        (b, *self._image_shape), np.float32, sharding=sharding
+        (k, b, *self._image_shape), np.float32, sharding=sharding
       ),
-      jax.ShapeDtypeStruct((b,), np.int32, sharding=sharding),
+      jax.ShapeDtypeStruct((k, b), np.int32, sharding=sharding),
+      jax.ShapeDtypeStruct((), np.int32),
     )
 
 
@@ -194,7 +236,9 @@ class DeviceResident:
     augment: bool,
     replicated: NamedSharding,
     batch_sharding: NamedSharding,
+    steps_per_call: int = 1,
   ):
+    self._k = steps_per_call
     self._num_examples = len(data.train_images)
     self._arrays = jax.device_put(
       (
@@ -208,7 +252,8 @@ class DeviceResident:
     self._replicated = replicated
     self._batch_sharding = batch_sharding
 
-    def batch(padded, labels, table, index, offsets, flips, k):
+    def batch(padded, labels, table, index, offsets, flips, k, n):
+      del n
       return device_data.device_batch(
         padded, labels, table, index[k], offsets[k], flips[k]
       )
@@ -216,26 +261,34 @@ class DeviceResident:
     self._batch = jax.jit(batch)
 
   def jit_step(self, train_step):
-    """``train_step`` jitted to build its batch from the resident set."""
+    """``train_step`` jitted to build its batches from the resident set."""
     r = self._replicated
-    step = device_data.make_device_train_step(train_step, self._batch_sharding)
+    step = device_data.make_device_train_step(
+      train_step, self._batch_sharding, self._k
+    )
     return jax.jit(
       step,
-      in_shardings=(r, r, r, r, r, r, r, None, r),
+      in_shardings=(r, r, r, r, r, r, r, None, None, r),
       out_shardings=(r, r),
-      donate_argnums=(0, 8),
+      donate_argnums=(0, 9),
       compiler_options=jaxmp.cpu_compiler_options() or None,
     )
 
   def epoch(self, state, epoch, start_batch, num_batches):
     """The data, the epoch's plan and each step's index; one small copy."""
+    return self.calls(state, epoch, start_batch, [1] * num_batches)
+
+  def calls(self, state, epoch, start_batch, sizes):
+    """The data, the epoch's plan, each call's first step and step count."""
     del state
     plan = host_stream.epoch_plan(
       epoch=epoch, num_examples=self._num_examples, **self._plan_args
     )
     plan = jax.device_put(tuple(plan), self._replicated)
-    for k in range(start_batch, start_batch + num_batches):
-      yield (*self._arrays, *plan, np.int32(k))
+    k = start_batch
+    for n in sizes:
+      yield (*self._arrays, *plan, np.int32(k), np.int32(n))
+      k += n
 
   def batch(self, state, *args):
     """The batch gathered and augmented as the step does it."""
@@ -243,7 +296,7 @@ class DeviceResident:
     return self._batch(*args)
 
   def step_args_like(self):
-    """The resident arrays, an epoch's plan and an int32 step index."""
+    """The resident arrays, an epoch's plan, the first step and the count."""
     steps_ = host_stream.steps_per_epoch(
       self._num_examples, self._plan_args["batch_size"]
     )
@@ -253,4 +306,120 @@ class DeviceResident:
       jax.ShapeDtypeStruct((steps_, b, 2), np.int32, sharding=self._replicated),
       jax.ShapeDtypeStruct((steps_, b), np.bool_, sharding=self._replicated),
     )
-    return (*self._arrays, *plan, jax.ShapeDtypeStruct((), np.int32))
+    scalar = jax.ShapeDtypeStruct((), np.int32)
+    return (*self._arrays, *plan, scalar, scalar)
+
+
+class HostEval:
+  """The test split in padded batches built on the host, one call each.
+
+  For a test split too large for the devices: `host_stream.eval_batches`,
+  placed on the mesh batch by batch; the sums stay on the devices.
+  """
+
+  def __init__(
+    self,
+    data: Dataset,
+    *,
+    batch_size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    replicated: NamedSharding,
+    batch_sharding: NamedSharding,
+  ):
+    self._images, self._labels = data.test_images, data.test_labels
+    self._args = dict(batch_size=batch_size, mean=mean, std=std)
+    self._replicated = replicated
+    self._batch_sharding = batch_sharding
+
+  def jit_eval(self, eval_step) -> Callable[[steps.TrainState], Any]:
+    """``run(state) -> sums`` over the whole split (`steps.zero_eval_sums`)."""
+    r, b = self._replicated, self._batch_sharding
+    step = jax.jit(
+      eval_step,
+      in_shardings=(r, b, b, b, r),
+      out_shardings=r,
+      compiler_options=jaxmp.cpu_compiler_options() or None,
+    )
+
+    def run(state):
+      sums = jax.device_put(steps.zero_eval_sums(), r)
+      for batch in host_stream.eval_batches(
+        self._images,
+        self._labels,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        **self._args,
+      ):
+        x = mesh.global_batch(batch, b)
+        sums = step(state, x["image"], x["label"], x["mask"], sums)
+      return sums
+
+    return run
+
+
+class ResidentEval:
+  """The test split kept on the devices as uint8; one call evaluates it all.
+
+  The split is zero-padded to whole batches of ``batch_size`` (the padding
+  masked out) and copied to the devices once; each evaluation is one jitted
+  `jax.lax.scan` over the batches, normalising with
+  `host_stream.normalization_table` (the host's floats, bit for bit).
+  """
+
+  def __init__(
+    self,
+    data: Dataset,
+    *,
+    batch_size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    replicated: NamedSharding,
+    batch_sharding: NamedSharding,
+  ):
+    images = np.asarray(data.test_images, np.uint8)
+    n = len(images)
+    batches_ = -(-n // batch_size)
+    rows = batches_ * batch_size
+    padded = np.zeros((rows, *images.shape[1:]), np.uint8)
+    padded[:n] = images
+    labels = np.zeros((rows,), np.int32)
+    labels[:n] = data.test_labels
+    mask = np.arange(rows) < n
+    shape = (batches_, batch_size)
+    self._arrays = jax.device_put(
+      (
+        padded.reshape(*shape, *images.shape[1:]),
+        labels.reshape(shape),
+        mask.reshape(shape),
+        host_stream.normalization_table(mean, std),
+      ),
+      replicated,
+    )
+    self._replicated = replicated
+    self._batch_sharding = batch_sharding
+
+  def jit_eval(self, eval_step) -> Callable[[steps.TrainState], Any]:
+    """``run(state) -> sums`` over the whole split (`steps.zero_eval_sums`)."""
+    b = self._batch_sharding
+
+    def all_batches(state, images, labels, mask, table):
+      channels = jnp.arange(table.shape[1])
+
+      def body(sums, batch):
+        x, y, m = (jax.lax.with_sharding_constraint(a, b) for a in batch)
+        x = table[x.astype(jnp.int32), channels]
+        return eval_step(state, x, y, m, sums), None
+
+      zero = jax.tree.map(jnp.asarray, steps.zero_eval_sums())
+      sums, _ = jax.lax.scan(body, zero, (images, labels, mask))
+      return sums
+
+    r = self._replicated
+    jitted = jax.jit(
+      all_batches,
+      in_shardings=(r, r, r, r, r),
+      out_shardings=r,
+      compiler_options=jaxmp.cpu_compiler_options() or None,
+    )
+    return lambda state: jitted(state, *self._arrays)

@@ -12,22 +12,27 @@ test can call alone:
   jitted train and eval steps; without calibration the steps come first and
   `compile_ahead` compiles the train step on a thread, from shapes, while
   `restore` runs;
-* `train_epoch`: the steps of one epoch, with logging, the health check and
-  checkpoint saves;
+* `train_epoch`: a host loop over the calls of one epoch (up to k steps a
+  call, `call_sizes`), with logging, the health check and checkpoint saves
+  between calls;
 * `evaluate`: loss and accuracy over the test set, summed on the devices;
 * `finish`: the summary, written by the reporter.
 
-One jitted train step (donated state, fixed shapes) runs over a 1-D device
-mesh: the batch is sharded over ``data``, params and optimizer state are
-replicated, so BatchNorm statistics, the finite check and the loss scale are
-global by construction. The host syncs only on log steps and at the end of
-an epoch. The checkpoint manager and the reporter (progress bar, TensorBoard
+One jitted train call (donated state, fixed shapes; a loop of up to k steps)
+runs over a 1-D device mesh: the batch is sharded over ``data``, params and
+optimizer state are replicated, so BatchNorm statistics, the finite check
+and the loss scale are global by construction. The host syncs only on log
+steps and at the end of an epoch. `set_up` decides where the data lives
+(``data_on_device``, `place_splits`) and how many steps a call runs
+(``steps_per_call``, `auto_steps_per_call`). The checkpoint manager and the reporter (progress bar, TensorBoard
 writer) are context managers, closed on every exit, errors included.
 """
 
 import contextlib
 import dataclasses
 import json
+import math
+import os
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -80,6 +85,11 @@ class Job:
     steps_per_epoch: full batches per epoch.
     total_steps: where this run stops (``num_train_steps`` or the schedule).
     initial: ``init_from``'s params and batch_stats, or None.
+    data_on_device: the training split lives on the devices
+      (`batches.DeviceResident`), else the host feeds it (`batches.HostStream`).
+    test_on_device: the test split lives on the devices
+      (`batches.ResidentEval`), else the host feeds it (`batches.HostEval`).
+    steps_per_call: the most train steps a jitted call runs (`call_sizes`).
   """
 
   settings: settings_lib.Settings
@@ -93,6 +103,9 @@ class Job:
   steps_per_epoch: int
   total_steps: int
   initial: Optional[dict]
+  data_on_device: bool = False
+  test_on_device: bool = False
+  steps_per_call: int = 1
 
   @property
   def replicated(self) -> NamedSharding:
@@ -174,6 +187,15 @@ def set_up(
     warmup_steps=int(s.warmup_epochs * steps_per_epoch),
     total_steps=max(schedule_steps, total_steps),
   )
+  data_on_device, test_on_device = place_splits(s.data_on_device, data, mesh)
+  steps_per_call = s.steps_per_call
+  if steps_per_call == "auto":
+    steps_per_call = auto_steps_per_call(
+      jax.default_backend(),
+      steps_per_epoch,
+      s.log_every_steps,
+      s.checkpoint_every_steps,
+    )
   # Read and checked before anything is written: a mismatch is one line.
   initial = None
   if s.init_from:
@@ -199,7 +221,74 @@ def set_up(
     steps_per_epoch=steps_per_epoch,
     total_steps=total_steps,
     initial=initial,
+    data_on_device=data_on_device,
+    test_on_device=test_on_device,
+    steps_per_call=steps_per_call,
   )
+
+
+# data_on_device="auto": a split lives on the devices when its uint8 copy
+# there takes at most this fraction of one device's memory (both splits
+# together; on a CPU, of the host's RAM, once per device of the mesh).
+DEVICE_MEMORY_FRACTION = 0.25
+MAX_AUTO_STEPS_PER_CALL = 8
+
+
+def device_memory_bytes(device) -> int:
+  """The memory of ``device``; on a CPU (no memory stats), the host's RAM."""
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:  # pylint: disable=broad-except
+    stats = {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def place_splits(
+  setting: Any, data: data_sources.Dataset, mesh: Mesh
+) -> tuple[bool, bool]:
+  """``(train split on the devices, test split on the devices)``.
+
+  ``setting`` is ``config.data_on_device``: True or False decide the
+  training split; "auto" puts it on the devices when its padded uint8 copy
+  fits in `DEVICE_MEMORY_FRACTION` of a device's memory. The test split
+  goes to the devices when it fits in what is left of that fraction.
+  """
+  devices = mesh.devices.flatten()
+  budget = DEVICE_MEMORY_FRACTION * device_memory_bytes(devices[0])
+  if devices[0].platform == "cpu":  # The CPU devices share the host's RAM.
+    budget /= len(devices)
+  n, h, w, c = data.train_images.shape
+  pad = 2 * host_stream.PAD
+  train_bytes = n * ((h + pad) * (w + pad) * c + 4)
+  test_bytes = int(np.prod(data.test_images.shape)) + 5 * len(data.test_images)
+  train = train_bytes <= budget if setting == "auto" else bool(setting)
+  left = budget - (train_bytes if train else 0)
+  return train, test_bytes <= left
+
+
+def auto_steps_per_call(
+  backend: str, steps_per_epoch: int, log_every: int, checkpoint_every: int
+) -> int:
+  """``steps_per_call="auto"``: 1 on a CPU; elsewhere a k that fits the run.
+
+  The largest k <= `MAX_AUTO_STEPS_PER_CALL` that divides the steps of an
+  epoch, ``log_every`` and ``checkpoint_every`` (when > 0), so that every
+  call runs k steps. On a CPU a step takes milliseconds or more, and the
+  host's dispatch (microseconds) hides behind it.
+
+  >>> auto_steps_per_call("gpu", 390, 50, 0)
+  5
+  >>> auto_steps_per_call("cpu", 390, 50, 0)
+  1
+  """
+  if backend == "cpu":
+    return 1
+  g = math.gcd(steps_per_epoch, log_every)
+  if checkpoint_every > 0:
+    g = math.gcd(g, checkpoint_every)
+  return max(k for k in range(1, MAX_AUTO_STEPS_PER_CALL + 1) if g % k == 0)
 
 
 def restore(
@@ -251,7 +340,7 @@ def make_batch_source(job: Job) -> batches_lib.BatchSource:
   """The train batches: host stream or device-resident, as configured."""
   s = job.settings
   source_cls = (
-    batches_lib.DeviceResident if s.data_on_device else batches_lib.HostStream
+    batches_lib.DeviceResident if job.data_on_device else batches_lib.HostStream
   )
   source_args = dict(
     batch_size=s.batch_size,
@@ -261,8 +350,23 @@ def make_batch_source(job: Job) -> batches_lib.BatchSource:
     replicated=job.replicated,
     batch_sharding=job.batch_sharding,
     seed=s.seed,
+    steps_per_call=job.steps_per_call,
   )
   return source_cls(job.data, **source_args)
+
+
+def make_eval_source(job: Job):
+  """The test batches: `batches.ResidentEval` or `batches.HostEval`."""
+  s = job.settings
+  cls = batches_lib.ResidentEval if job.test_on_device else batches_lib.HostEval
+  return cls(
+    job.data,
+    batch_size=s.eval_batch_size,
+    mean=s.mean,
+    std=s.std,
+    replicated=job.replicated,
+    batch_sharding=job.batch_sharding,
+  )
 
 
 def calibrate(
@@ -342,9 +446,16 @@ def settle_precision(
 
 
 def compile_steps(
-  job: Job, source: batches_lib.BatchSource
-) -> tuple[Callable[..., Any], Callable[..., Any]]:
-  """The jitted ``(train step over source's batches, eval step)``."""
+  job: Job, source: batches_lib.BatchSource, eval_source=None
+) -> tuple[Callable[..., Any], Callable[[steps.TrainState], Any]]:
+  """The jitted ``(train call over source's batches, evaluation)``.
+
+  The train call is ``step(state, *args, metrics) -> (state, metrics)``
+  for the ``args`` of `BatchSource.calls`: one program for calls of any
+  number of steps up to ``job.steps_per_call``. The evaluation is
+  ``run(state) -> sums`` over the whole test split (``eval_source``, by
+  default `make_eval_source`); see `evaluate`.
+  """
   precision = job.precision
   step_fn = source.jit_step(
     steps.make_train_step(
@@ -355,14 +466,12 @@ def compile_steps(
       faults=job.faults,
     )
   )
-  r, b = job.replicated, job.batch_sharding
-  eval_step = jax.jit(
-    steps.make_eval_step(job.model, compute_dtype=precision.compute_dtype),
-    in_shardings=(r, b, b, b, r),
-    out_shardings=r,
-    compiler_options=jaxmp.cpu_compiler_options() or None,
+  if eval_source is None:
+    eval_source = make_eval_source(job)
+  eval_run = eval_source.jit_eval(
+    steps.make_eval_step(job.model, compute_dtype=precision.compute_dtype)
   )
-  return step_fn, eval_step
+  return step_fn, eval_run
 
 
 def compile_ahead(
@@ -376,8 +485,8 @@ def compile_ahead(
   The step is traced on shapes alone (``state_like``, e.g.
   ``init.trace().out_info``, and `BatchSource.step_args_like`), so that its
   tracing and XLA's compilation (or the persistent cache's load) overlap
-  the state's initialisation and restore. The first real step then finds
-  the executable in jax's caches. An error here is dropped: the first step
+  the state's initialisation and restore. The first real call then finds
+  the executable in jax's caches. An error here is dropped: the first call
   compiles again and raises it there, with its traceback.
   """
   replicated = job.replicated
@@ -402,35 +511,13 @@ def compile_ahead(
   return thread
 
 
-def evaluate(
-  eval_step,
-  state: steps.TrainState,
-  data: data_sources.Dataset,
-  sharding: NamedSharding,
-  *,
-  batch_size: int,
-  mean,
-  std,
-) -> dict:
+def evaluate(eval_run, state: steps.TrainState) -> dict:
   """Loss and accuracy over every test example exactly once.
 
-  ``eval_step`` (`steps.make_eval_step`, jitted) adds each batch to sums
-  that stay on the devices; the host fetches them once, at the end.
+  ``eval_run`` (`compile_steps`'s) sums the whole split on the devices;
+  the host fetches the sums once.
   """
-  replicated = NamedSharding(sharding.mesh, P())
-  sums = jax.device_put(steps.zero_eval_sums(), replicated)
-  for batch in host_stream.eval_batches(
-    data.test_images,
-    data.test_labels,
-    batch_size=batch_size,
-    mean=mean,
-    std=std,
-    process_index=jax.process_index(),
-    process_count=jax.process_count(),
-  ):
-    b = mesh_lib.global_batch(batch, sharding)
-    sums = eval_step(state, b["image"], b["label"], b["mask"], sums)
-  totals = mesh_lib.to_host(sums)
+  totals = mesh_lib.to_host(eval_run(state))
   count = max(int(totals["count"]), 1)
   return {
     "loss": float(totals["loss_sum"]) / count,
@@ -485,6 +572,32 @@ def _log_step(job: Job, state, metrics, step: int, reporter) -> None:
     raise TrainingError(str(e)) from None
 
 
+def call_sizes(
+  step: int, end: int, steps_per_call: int, is_stop: Callable[[int], bool]
+) -> list[int]:
+  """The steps of each call from ``step`` to ``end``: k, or fewer at a stop.
+
+  No call runs past a step where ``is_stop`` holds (a log step, a save) or
+  past ``end``: between two stops, calls of ``steps_per_call`` steps, then
+  one call of the rest.
+
+  >>> call_sizes(0, 10, 4, lambda s: s % 5 == 0)
+  [4, 1, 4, 1]
+  >>> call_sizes(3, 8, 8, lambda s: False)
+  [5]
+  """
+  sizes = []
+  while step < end:
+    stop = step + 1
+    while stop < end and not is_stop(stop):
+      stop += 1
+    n = stop - step
+    sizes += [steps_per_call] * (n // steps_per_call)
+    sizes += [n % steps_per_call] if n % steps_per_call else []
+    step = stop
+  return sizes
+
+
 def train_epoch(
   job: Job,
   state: steps.TrainState,
@@ -498,10 +611,12 @@ def train_epoch(
 ) -> tuple[steps.TrainState, dict]:
   """The steps from ``state.step`` to the end of its epoch (or the run).
 
-  Logs on log steps (one host fetch each), checks the run's health there,
-  starts the checkpoint saves that are due. After each step, a preemption
-  (`preemption_lib.Preemption.reached`) saves a checkpoint at that step and
-  raises `preemption_lib.Preempted`.
+  A host loop over calls of ``step_fn`` (`compile_steps`), of `call_sizes`
+  steps each: the host dispatches, and syncs only on log steps (one fetch
+  each), where it also checks the run's health, and at saves. After each
+  call, a preemption (`preemption_lib.Preemption.reached`, asked for every
+  step the call ran) saves a checkpoint at the step reached and raises
+  `preemption_lib.Preempted`.
 
   Returns:
     ``(state, {"loss", "accuracy", "epoch", "step", "steps", "seconds"})``:
@@ -513,12 +628,24 @@ def train_epoch(
   step = int(state.step)  # One fetch per epoch.
   epoch, start_batch = divmod(step, job.steps_per_epoch)
   epoch_end = min((epoch + 1) * job.steps_per_epoch, job.total_steps)
+
+  def is_log(k):
+    return k % s.log_every_steps == 0 or k == epoch_end
+
+  def is_save(k):
+    return ckpt_lib.should_save(
+      s.checkpoint_every_steps, k, epoch_end, job.total_steps
+    )
+
+  sizes = call_sizes(
+    step, epoch_end, job.steps_per_call, lambda k: is_log(k) or is_save(k)
+  )
   metrics = jax.device_put(steps.zero_metrics(state.opt_state), job.replicated)
   started, first = time.time(), step
-  for args in source.epoch(state, epoch, start_batch, epoch_end - step):
+  for n, args in zip(sizes, source.calls(state, epoch, start_batch, sizes)):
     state, metrics = step_fn(state, *args, metrics)
-    step += 1
-    if clock.seconds_to_first_step is None:  # One sync, on the first step.
+    step += n
+    if clock.seconds_to_first_step is None:  # One sync, on the first call.
       jax.block_until_ready(state.step)
       clock.seconds_to_first_step = time.time() - startup.process_start_time()
       print(
@@ -527,16 +654,16 @@ def train_epoch(
         flush=True,
       )
     reporter.progress(step)
-    if step % s.log_every_steps == 0 or step == epoch_end:
+    if is_log(step):
       _log_step(job, state, metrics, step, reporter)
-    saved = ckpt_lib.should_save(
-      s.checkpoint_every_steps, step, epoch_end, job.total_steps
-    )
+    saved = is_save(step)
     if saved:
       ckpt_lib.save(
         manager, state, step, epoch_end == step, job.steps_per_epoch
       )
-    if preemption is not None and preemption.reached(step):
+    if preemption is not None and any(
+      preemption.reached(k) for k in range(step - n + 1, step + 1)
+    ):
       preemption_lib.save_and_stop(
         manager, state, step, epoch_end == step, job.steps_per_epoch, saved
       )
@@ -629,7 +756,6 @@ def train(
   clock = Clock()
   reporting.check_workdir(workdir)
   job = set_up(s, data)
-  evaluate_args = dict(batch_size=s.eval_batch_size, mean=s.mean, std=s.std)
   with contextlib.ExitStack() as resources:
     manager = resources.enter_context(
       ckpt_lib.open_manager(workdir, s.keep_checkpoints)
@@ -639,17 +765,18 @@ def train(
     # The batch source first: where it crops, it pads the data set on a
     # background thread while `restore` initialises the state.
     source = make_batch_source(job)
+    eval_source = make_eval_source(job)
     init = make_init(job)
     ahead = None
     if not job.precision.calibrate:  # Else the optimizer is not final yet.
-      step_fn, eval_step = compile_steps(job, source)
+      step_fn, eval_run = compile_steps(job, source, eval_source)
       ahead = compile_ahead(job, source, step_fn, init.trace().out_info)
       # On an error before the first step, too: no compile outlives `train`.
       resources.callback(ahead.join)
     state, resumed = restore(job, manager, init)
     if ahead is None:
       job, state = settle_precision(job, state, source, resumed)
-      step_fn, eval_step = compile_steps(job, source)
+      step_fn, eval_run = compile_steps(job, source, eval_source)
     reporter = resources.enter_context(
       reporting.Reporter(
         workdir,
@@ -678,9 +805,7 @@ def train(
         preemption=preemption,
       )
       step = train["step"]
-      test = evaluate(
-        eval_step, state, job.data, job.batch_sharding, **evaluate_args
-      )
+      test = evaluate(eval_run, state)
       stats = mesh_lib.to_host(jaxmp.stats(state.opt_state))
       reporter.log_epoch(
         epoch=train["epoch"],
@@ -694,9 +819,7 @@ def train(
         / max(train["seconds"], 1e-9),
       )
     if test is None:  # Nothing left to train (resumed at the end).
-      test = evaluate(
-        eval_step, state, job.data, job.batch_sharding, **evaluate_args
-      )
+      test = evaluate(eval_run, state)
     return finish(
       job,
       state,

@@ -130,9 +130,12 @@ class Reporter:
   def progress(self, step: int) -> None:
     """Moves the progress bar to ``step``."""
     if self._bar is not None:
-      self._bar.n = step
-      if step % 10 == 0:
+      # Host counters only: nothing here waits for the devices. Redrawn
+      # every 10 steps (a call of k steps may jump over a multiple of 10).
+      if step // 10 != self._bar.n // 10:
+        self._bar.n = step
         self._bar.refresh()
+      self._bar.n = step
 
   def log_step(
     self, step: int, stats: dict, worst_leaf: Optional[tuple[str, int]] = None

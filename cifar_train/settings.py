@@ -83,11 +83,12 @@ class Settings:
   mean: tuple[float, float, float]
   std: tuple[float, float, float]
   augment: bool
-  data_on_device: bool
+  data_on_device: Any  # True, False or "auto" (`loop.set_up` decides).
   synthetic_train_examples: int
   synthetic_test_examples: int
   batch_size: int
   eval_batch_size: int
+  steps_per_call: Any  # An int >= 1 or "auto" (`loop.set_up` decides).
   num_epochs: int
   num_train_steps: int
   learning_rate: float
@@ -192,6 +193,38 @@ def _compile_cache_dir(value: str) -> str:
   return os.path.join(base, "jaxmp", "jit")
 
 
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no")
+
+
+def _auto_or_bool(config, key: str) -> Any:
+  """``config[key]`` as True, False or "auto" (strings from the CLI too)."""
+  value = config[key]
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  text = str(value).strip().lower()
+  if text == "auto":
+    return "auto"
+  if text in _TRUE or text in _FALSE:
+    return text in _TRUE
+  raise ConfigError(f"{key} must be True, False or 'auto', got {value!r}")
+
+
+def _auto_or_count(config, key: str) -> Any:
+  """``config[key]`` as an int >= 1 or "auto" (strings from the CLI too)."""
+  value = config[key]
+  if isinstance(value, str) and value.strip().lower() == "auto":
+    return "auto"
+  try:
+    count = int(value)
+    exact = not isinstance(value, bool) and count == float(value)
+  except (TypeError, ValueError):
+    exact = False
+  if not exact or count < 1:
+    raise ConfigError(f"{key} must be an integer >= 1 or 'auto', got {value!r}")
+  return count
+
+
 def _choice(config, key: str, valid: tuple[str, ...]) -> str:
   if config[key] not in valid:
     raise ConfigError(
@@ -253,11 +286,12 @@ def resolve(config: ml_collections.ConfigDict) -> Settings:
     mean=tuple(float(m) for m in config.mean),
     std=tuple(float(s) for s in config.std),
     augment=bool(config.augment),
-    data_on_device=bool(config.data_on_device),
+    data_on_device=_auto_or_bool(config, "data_on_device"),
     synthetic_train_examples=int(config.synthetic_train_examples),
     synthetic_test_examples=int(config.synthetic_test_examples),
     batch_size=int(config.batch_size),
     eval_batch_size=int(config.eval_batch_size),
+    steps_per_call=_auto_or_count(config, "steps_per_call"),
     num_epochs=int(config.num_epochs),
     num_train_steps=int(config.num_train_steps),
     learning_rate=float(config.learning_rate),

@@ -66,13 +66,31 @@ def get_config() -> ml_collections.ConfigDict:
   config.mean = (0.4914, 0.4822, 0.4465)
   config.std = (0.2470, 0.2435, 0.2616)
   config.augment = True  # Random crop (pad 4) + horizontal flip.
-  config.data_on_device = False
+  # Where the training split lives: True (on the devices: shuffling, crops,
+  # flips and normalisation run inside the jitted step), False (built on the
+  # host, a background thread placing each batch on the devices ahead of its
+  # step), or "auto": on the devices when the uint8 split, padded, fits in
+  # a quarter of one device's memory (on a CPU, of the host's RAM), else on
+  # the host. The test split follows the same rule.
+  config.data_on_device = ml_collections.FieldReference(
+    "auto", field_type=object
+  )
   config.synthetic_train_examples = 10_000
   config.synthetic_test_examples = 2_000
 
   # Optimisation.
   config.batch_size = 128
   config.eval_batch_size = 500
+  # Train steps per jitted call: one program loops over up to k steps (its
+  # step count a runtime value, so that every call size runs the same code,
+  # bit for bit; k = 1 is the lone step, no loop), for steps too short to hide the host's
+  # dispatch (small models, small batches on a GPU). "auto": 1 on a CPU;
+  # elsewhere the largest k <= 8 that divides the steps of an epoch,
+  # log_every_steps and checkpoint_every_steps (when set). A call never runs
+  # past a log step, a save or the epoch's end.
+  config.steps_per_call = ml_collections.FieldReference(
+    "auto", field_type=object
+  )
   config.num_epochs = 200
   config.num_train_steps = -1  # > 0: stop after this many steps, then evaluate.
   config.learning_rate = 0.1

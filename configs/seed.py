@@ -30,4 +30,8 @@ def get_config():
   config.mean = (0.5, 0.5, 0.5)
   config.std = (0.5, 0.5, 0.5)
   config.augment = False
+  # The default, spelled out: the split on the GPU when it fits, k steps a
+  # call where the step is short.
+  config.data_on_device = "auto"
+  config.steps_per_call = "auto"
   return config

@@ -72,9 +72,12 @@ def test_device_resident_and_host_stream_see_the_same_batches(tiny_data):
   np.testing.assert_array_equal(seen[5], seen[6])
 
 
-def test_eval_counts_every_example_once(make_config, data_dir, tiny_data):
+@pytest.mark.parametrize("resident", [False, True])
+def test_eval_counts_every_example_once(
+  make_config, data_dir, tiny_data, monkeypatch, resident
+):
   s = settings.resolve(make_config(data_dir, policy="O0"))
-  _, sharding = shardings()
+  replicated, sharding = shardings()
   n = len(tiny_data.test_images)
   assert n == 100 and s.eval_batch_size == 64  # 2 batches, 28 padded rows.
   # Example i carries its id in its first pixel.
@@ -96,27 +99,36 @@ def test_eval_counts_every_example_once(make_config, data_dir, tiny_data):
   )
   optimizer = steps.create_optimizer(s.precision, 0.1, momentum=0.9)
   state = steps.create_train_state(model, optimizer, (32, 32, 3), seed=0)
-  eval_step = jax.jit(
-    steps.make_eval_step(model, compute_dtype=s.precision.compute_dtype)
+  eval_step = steps.make_eval_step(
+    model, compute_dtype=s.precision.compute_dtype
   )
   table = host_stream.normalization_table(s.mean, s.std)
   ids = []
+  eval_batches = host_stream.eval_batches
 
-  def spy(state, x, y, mask, *rest):
-    first = np.asarray(x)[:, 0, 0, :2]
-    pixel = np.abs(first[..., None] - table.T[None, :2]).argmin(-1)
-    ids.extend((pixel[:, 0] + 256 * pixel[:, 1])[np.asarray(mask)].tolist())
-    return eval_step(state, x, y, mask, *rest)
+  def spy(*args, **kwargs):  # The host's batches, as they are placed.
+    for batch in eval_batches(*args, **kwargs):
+      first = batch["image"][:, 0, 0, :2]
+      pixel = np.abs(first[..., None] - table.T[None, :2]).argmin(-1)
+      ids.extend((pixel[:, 0] + 256 * pixel[:, 1])[batch["mask"]].tolist())
+      yield batch
 
-  result = loop.evaluate(
-    spy,
-    state,
+  monkeypatch.setattr(host_stream, "eval_batches", spy)
+  cls = batches.ResidentEval if resident else batches.HostEval
+  source = cls(
     data,
-    sharding,
     batch_size=s.eval_batch_size,
     mean=s.mean,
     std=s.std,
+    replicated=replicated,
+    batch_sharding=sharding,
   )
+  if resident:  # What the scan runs over: uint8 batches and their masks.
+    u8, _, mask, _ = (np.asarray(a) for a in source._arrays)
+    assert u8.shape == (2, 64, 32, 32, 3) and mask.sum() == n
+    first = u8[..., 0, 0, :2].astype(int)
+    ids = (first[..., 0] + 256 * first[..., 1])[mask].tolist()
+  result = loop.evaluate(source.jit_eval(eval_step), state)
   assert sorted(ids) == list(range(n))
   assert result["count"] == n
   # The mean over exactly the 100 examples, computed in one batch.

@@ -133,7 +133,7 @@ def test_an_error_mid_epoch_closes_every_resource(
   compile_steps = loop.compile_steps
 
   def failing_at_step_3(*args):
-    step_fn, eval_step = compile_steps(*args)
+    step_fn, eval_run = compile_steps(*args)
     calls = []
 
     def step(*a):
@@ -142,7 +142,7 @@ def test_an_error_mid_epoch_closes_every_resource(
         raise RuntimeError("injected at step 3")
       return step_fn(*a)
 
-    return step, eval_step
+    return step, eval_run
 
   monkeypatch.setattr(loop, "compile_steps", failing_at_step_3)
   workdir = tmp_path / "run"
@@ -194,7 +194,7 @@ def test_the_named_steps_run_alone(
     assert state.step.sharding == job.replicated
     source = loop.make_batch_source(job)
     job, state = loop.settle_precision(job, state, source, resumed)
-    step_fn, eval_step = loop.compile_steps(job, source)
+    step_fn, eval_run = loop.compile_steps(job, source)
     with reporting.Reporter(
       str(tmp_path), num_devices=4, total_steps=3, progress_bar=False
     ) as reporter:
@@ -207,15 +207,7 @@ def test_the_named_steps_run_alone(
         manager=manager,
         clock=loop.Clock(),
       )
-    test = loop.evaluate(
-      eval_step,
-      state,
-      job.data,
-      job.batch_sharding,
-      batch_size=s.eval_batch_size,
-      mean=s.mean,
-      std=s.std,
-    )
+    test = loop.evaluate(eval_run, state)
   assert (train["epoch"], train["step"], train["steps"]) == (1, 3, 3)
   assert int(state.step) == 3 and test["count"] == 100
   # Saved at step 2 (every 2) and at the run's end, 3.

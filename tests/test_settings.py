@@ -58,6 +58,9 @@ def test_seed_config_is_the_apex_script():
     tuple(c.mean),
     tuple(c.std),
   ) == ("resnet18_torchvision", "O1", 0.1, 0.9, 128, 10, (0.5,) * 3, (0.5,) * 3)
+  # The app decides, on the devices it finds, where the data lives and how
+  # many steps a call runs.
+  assert (c.data_on_device, c.steps_per_call) == ("auto", "auto")
 
 
 @pytest.mark.parametrize(
