@@ -1,0 +1,57 @@
+"""bench/fidelity.py: the table's means, spreads and gaps to the baseline."""
+
+import importlib.util
+import os
+import statistics
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _fidelity():
+  spec = importlib.util.spec_from_file_location(
+    "fidelity", os.path.join(ROOT, "bench", "fidelity.py")
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _rows(accs):
+  return {
+    (p, s): {"test_accuracy": a, "train_loss": 1.0 + a}
+    for p, by_seed in accs.items()
+    for s, a in by_seed.items()
+  }
+
+
+def test_table_means_spreads_and_gaps():
+  fidelity = _fidelity()
+  accs = {
+    "O0": {0: 0.50, 1: 0.54, 2: 0.52},
+    "O2": {0: 0.47, 1: 0.49, 2: 0.48},
+  }
+  text, max_gap = fidelity.table(_rows(accs), ["O0", "O2"], [0, 1, 2])
+  o2 = next(line for line in text.splitlines() if line.startswith("| O2 "))
+  cells = [c.strip() for c in o2.strip("|").split("|")]
+  assert cells[1:4] == ["47.00", "49.00", "48.00"]
+  assert cells[4] == "48.00"  # mean
+  assert float(cells[5]) == pytest.approx(
+    statistics.stdev([47.0, 49.0, 48.0]), abs=0.005
+  )
+  assert cells[6] == "47.00..49.00"
+  assert float(cells[7]) == pytest.approx(1.48, abs=5e-5)  # mean train loss
+  assert cells[8] == "-4.00"  # O2's mean below O0's
+  assert max_gap == pytest.approx(4.0, abs=1e-9)
+
+
+def test_table_baseline_is_the_first_policy_and_a_better_policy_has_no_gap():
+  fidelity = _fidelity()
+  accs = {"O2": {0: 0.60}, "O0": {0: 0.55}}
+  text, max_gap = fidelity.table(_rows(accs), ["O0", "O2"], [0])
+  assert "gap to O0" in text.splitlines()[0]
+  o2 = next(line for line in text.splitlines() if line.startswith("| O2 "))
+  assert o2.rstrip().endswith("| +5.00 |")
+  assert "| 0.00 |" in o2  # one seed: no spread
+  assert max_gap == pytest.approx(0.0, abs=1e-9)
