@@ -22,7 +22,12 @@ import time
 
 
 def process_start() -> float:
-  """When this process started, on the ``time.time()`` clock (Linux)."""
+  """When this process started, on the ``time.time()`` clock (Linux).
+
+  The same reading as `cifar_train.startup.process_start_time`, written
+  again because that module imports jax, which this script, timed as the
+  PyTorch side, must not pay for.
+  """
   try:
     with open("/proc/self/stat") as f:
       ticks = int(f.read().rsplit(")", 1)[1].split()[19])
