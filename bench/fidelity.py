@@ -114,8 +114,9 @@ def main(argv=None) -> int:
   # Decoded once; every run trains on the same arrays.
   data = loop.load_data(settings.resolve(job_config(args, policies[0], 0)))
   rows = {}
-  for p in policies:
-    for s in seeds:
+  # Seeds outermost: a run cut short still leaves every policy's first seeds.
+  for s in seeds:
+    for p in policies:
       workdir = os.path.join(root, f"{p}-seed{s}")
       start = time.perf_counter()
       summary = loop.train_and_evaluate(
