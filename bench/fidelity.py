@@ -14,6 +14,15 @@ cosine: ``train.py --config configs/default.py --config.dataset=image_folder
 --config.policy=P --config.seed=S``. The folder is decoded once and every
 run reads the same copy (the app's prepared ``DIR/.tfds``).
 
+One more name is allowed in ``--policies``: ``O0-f16start``, a control. It is
+O0, fp32 throughout, started from the seed's initial weights rounded to
+float16 (`write_start`), which is all the half precision it has. Its spread
+against O0 is how far a change of the start of that size (what O2's first
+forward pass sees) moves the result by itself: a recipe that turns it into
+points of accuracy makes a half-precision policy's gap of the same size
+noise, not a defect of its arithmetic. ``--warmup_epochs`` overrides the
+config's linear warm-up.
+
 Prints one row per run as it ends, then one table: per policy the test
 accuracy of each seed, the mean, the spread (sample standard deviation and
 min..max), the mean final train loss (the epoch's mean) and the gap of the
@@ -38,9 +47,20 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+import numpy as np  # noqa: E402
+
 from cifar_train import loop  # noqa: E402
 from cifar_train import settings  # noqa: E402
 from configs import default  # noqa: E402
+from jaxmp import models  # noqa: E402
+
+# A control, not a policy: O0 (fp32 throughout) started from the seed's initial
+# weights rounded to float16 and back. The only half precision in it is that
+# one rounding of the start (at most 2**-11 of each value, what O2's first
+# forward pass sees), so its spread against O0 is how far a perturbation of
+# that size alone moves the result; a policy's gap inside it is not a defect
+# of half-precision arithmetic.
+ROUNDED_START = "O0-f16start"
 
 
 def job_config(args, policy: str, seed: int):
@@ -52,11 +72,36 @@ def job_config(args, policy: str, seed: int):
   config.num_epochs = args.num_epochs
   config.batch_size = args.batch_size
   config.lr_schedule = "cosine"
+  if args.warmup_epochs >= 0:
+    config.warmup_epochs = args.warmup_epochs
   config.num_train_steps = args.num_train_steps
-  config.policy = policy
+  config.policy = "O0" if policy == ROUNDED_START else policy
   config.seed = seed
   config.progress_bar = False
   return config
+
+
+def write_start(config, data, path: str, round_to=np.float16) -> str:
+  """Writes the initial weights of ``config``'s run as a state dict file.
+
+  The app's own fresh state for the config's seed (``loop.make_init``), in
+  torch names (`jaxmp.models.to_torchvision`), every floating tensor rounded
+  to ``round_to`` and back (``None``: exact). ``config.init_from`` reads it
+  back; the exact file gives the plain run, bit for bit.
+  """
+  job = loop.set_up(settings.resolve(config), data)
+  state = loop.make_init(job)()
+  state_dict = models.to_torchvision(
+    {"params": state.params, "batch_stats": state.batch_stats},
+    arch=job.settings.model,
+  )
+  if round_to is not None:
+    state_dict = {
+      k: v.astype(round_to).astype(v.dtype) if v.dtype.kind == "f" else v
+      for k, v in state_dict.items()
+    }
+  np.savez(path, **state_dict)
+  return path
 
 
 def spread(values):
@@ -102,6 +147,12 @@ def main(argv=None) -> int:
   parser.add_argument("--num_epochs", type=int, default=1)
   parser.add_argument("--batch_size", type=int, default=128)
   parser.add_argument("--num_train_steps", type=int, default=-1)
+  parser.add_argument(
+    "--warmup_epochs",
+    type=float,
+    default=-1.0,
+    help="linear warm-up (epochs); default: configs/default.py's",
+  )
   parser.add_argument("--workdir", default="", help="default: a temp dir")
   parser.add_argument("--out", default="", help="JSON lines of summaries")
   args = parser.parse_args(argv)
@@ -119,9 +170,12 @@ def main(argv=None) -> int:
     for p in policies:
       workdir = os.path.join(root, f"{p}-seed{s}")
       start = time.perf_counter()
-      summary = loop.train_and_evaluate(
-        job_config(args, p, s), workdir, data=data
-      )
+      config = job_config(args, p, s)
+      if p == ROUNDED_START:
+        config.init_from = write_start(
+          config, data, os.path.join(root, f"start-seed{s}-f16.npz")
+        )
+      summary = loop.train_and_evaluate(config, workdir, data=data)
       rows[(p, s)] = summary
       print(
         f"run policy={p} seed={s} test_accuracy="

@@ -4,7 +4,10 @@ import importlib.util
 import os
 import statistics
 
+import numpy as np
 import pytest
+
+from cifar_train import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,3 +58,33 @@ def test_table_baseline_is_the_first_policy_and_a_better_policy_has_no_gap():
   assert o2.rstrip().endswith("| +5.00 |")
   assert "| 0.00 |" in o2  # one seed: no spread
   assert max_gap == pytest.approx(0.0, abs=1e-9)
+
+
+def test_start_file_exact_is_the_plain_run_rounded_is_fp16_of_it(
+  make_config, data_dir, tiny_data, tmp_path
+):
+  """The control's start: the run's own weights; exact, then fp16-rounded."""
+  fidelity = _fidelity()
+  config = lambda **kw: make_config(data_dir, policy="O0", **kw)
+  exact = fidelity.write_start(
+    config(), tiny_data, str(tmp_path / "exact.npz"), round_to=None
+  )
+  rounded = fidelity.write_start(config(), tiny_data, str(tmp_path / "f16.npz"))
+  with np.load(exact) as e, np.load(rounded) as r:
+    assert sorted(e.files) == sorted(r.files)
+    moved = 0
+    for k in e.files:
+      assert r[k].dtype == e[k].dtype, k
+      if e[k].dtype.kind != "f":
+        np.testing.assert_array_equal(r[k], e[k], err_msg=k)
+        continue
+      np.testing.assert_array_equal(
+        r[k], e[k].astype(np.float16).astype(e[k].dtype), err_msg=k
+      )
+      moved += int(np.sum(r[k] != e[k]))
+    assert moved > 0  # Random init values are not all fp16-representable.
+  plain = loop.train_and_evaluate(config(), str(tmp_path / "a"), data=tiny_data)
+  started = loop.train_and_evaluate(
+    config(init_from=exact), str(tmp_path / "b"), data=tiny_data
+  )
+  assert started["state_fingerprint"] == plain["state_fingerprint"]
