@@ -6,8 +6,10 @@ Parity with PyTorch without torch: ``tests/golden/torch_resnet18.npz`` holds
 torch's logits, BatchNorm statistics and gradients (float32 and float64) of
 ``bench/_torch_resnet.py``'s torchvision ResNet18 and, renamed to
 kuangliu/pytorch-cifar's names, its CIFAR ResNet18, written by
-``tools/make_torch_golden.py``. With torch, three more tests: the golden files
-regenerated and compared, the ``.pth`` read, torch's bfloat16 tensors.
+``tools/make_torch_golden.py``; and the torchvision ResNet18 with running
+statistics calibrated by torch on one batch, with the eval-mode loss's
+gradients too. With torch, three more tests: the golden files regenerated and
+compared, the ``.pth`` read, torch's bfloat16 tensors.
 """
 
 import functools
@@ -276,6 +278,13 @@ GOLDEN_DIR = os.path.join(ROOT, "tests", "golden")
 GOLDEN = os.path.join(GOLDEN_DIR, "torch_resnet18.npz")
 GOLDEN_PTH = os.path.join(GOLDEN_DIR, "torch_resnet18.pth")
 DTYPES = ("float32", "float64")
+# The golden case of the torchvision net with calibrated running statistics,
+# and each case's arch (a case is a prefix of the golden file's names).
+CALIBRATED = "calibrated"
+CASE_ARCH = {
+  **{arch: arch for arch in ARCHS},
+  CALIBRATED: "resnet18_torchvision",
+}
 # Unit roundoffs.
 U = {"float32": 2.0**-24, "float64": 2.0**-53}
 
@@ -303,11 +312,14 @@ def _leaf_err(got, want):
 
 
 @functools.lru_cache(maxsize=None)
-def _tolerance(arch, kind):
-  """``{dtype: tolerance}`` of ``kind`` of ``arch``, per tensor.
+def _tolerance(case, kind):
+  """``{dtype: tolerance}`` of ``kind`` of golden ``case``, per tensor.
 
-  ``kind`` is eval_logits, train_logits, stats or grad; a tolerance is a
-  fraction of each tensor's own largest |value|.
+  ``case`` is a prefix of the golden file (an arch of `ARCHS`, or
+  `CALIBRATED`), ``kind`` what it holds per dtype: eval_logits,
+  train_logits, loss, stats or grad, and for `CALIBRATED` eval_loss and
+  eval_grad (the gradients of the eval-mode loss). A tolerance is a fraction
+  of each tensor's own largest |value|.
 
   Rounding error is the unit roundoff u times the problem's amplification
   (depth, sums, train-mode BatchNorm over few values), which does not depend
@@ -322,7 +334,7 @@ def _tolerance(arch, kind):
   sequential chains than float32's blocked ones (JAX's float64 gradients
   were 4 times amplification * u64 on one CPU; 64 leaves 16 to spare).
   """
-  g32, g64 = _golden(f"{arch}/float32"), _golden(f"{arch}/float64")
+  g32, g64 = _golden(f"{case}/float32"), _golden(f"{case}/float64")
   errs = [
     _leaf_err(g32[k], g64[k])
     for k in g64
@@ -333,18 +345,18 @@ def _tolerance(arch, kind):
   return {dtype: margin[dtype] * amplification * U[dtype] for dtype in DTYPES}
 
 
-def _golden_weights(arch, dtype="float32"):
+def _golden_weights(case, dtype="float32"):
   """The golden state dict, floating tensors cast (exactly) to ``dtype``."""
   return {
     k: v.astype(dtype) if v.dtype.kind == "f" else v
-    for k, v in _golden(f"{arch}/weights").items()
+    for k, v in _golden(f"{case}/weights").items()
   }
 
 
-def _golden_inputs(arch, dtype):
+def _golden_inputs(case, dtype):
   """The golden NHWC batch in ``dtype`` and its labels."""
-  x = _golden_arrays()[f"{arch}/x"].astype(dtype)
-  return x.transpose(0, 2, 3, 1), _golden_arrays()[f"{arch}/labels"]
+  x = _golden_arrays()[f"{case}/x"].astype(dtype)
+  return x.transpose(0, 2, 3, 1), _golden_arrays()[f"{case}/labels"]
 
 
 def _x64(dtype):
@@ -377,6 +389,34 @@ def test_golden_file_holds_what_the_tests_read():
     for kind in ("eval_logits", "train_logits", "stats", "grad"):
       tol = _tolerance(arch, kind)
       assert 0.0 < tol["float32"] < 1e-3 and 0.0 < tol["float64"] < 1e-11
+  # The calibrated case: the torchvision net's names and shapes, every
+  # counter 1 (one calibration batch), a batch of 4 at 64x64, and per dtype
+  # the logits, losses and gradients of both modes.
+  weights = _golden(f"{CALIBRATED}/weights")
+  assert {k: v.shape for k, v in weights.items()} == {
+    k: np.shape(v) for k, v in torch_state_dict(CASE_ARCH[CALIBRATED]).items()
+  }
+  counters = [v for k, v in weights.items() if "num_batches" in k]
+  assert len(counters) == 20 and all(v == 1 for v in counters)
+  assert g[f"{CALIBRATED}/x"].shape == (4, 3, 64, 64)
+  assert g[f"{CALIBRATED}/labels"].shape == (4,)
+  params = {
+    k: v.shape
+    for k, v in weights.items()
+    if "running" not in k and "num_batches" not in k
+  }
+  for dtype in DTYPES:
+    for kind in ("grad", "eval_grad"):
+      grads = _golden(f"{CALIBRATED}/{dtype}/{kind}")
+      assert {k: v.shape for k, v in grads.items()} == params, kind
+      assert all(v.dtype == dtype for v in grads.values()), kind
+    for kind in ("eval_logits", "train_logits"):
+      assert g[f"{CALIBRATED}/{dtype}/{kind}"].shape == (4, CLASSES)
+    for kind in ("eval_loss", "loss"):
+      assert g[f"{CALIBRATED}/{dtype}/{kind}"].shape == ()
+  for kind in ("eval_logits", "train_logits", "grad", "eval_grad"):
+    tol = _tolerance(CALIBRATED, kind)
+    assert 0.0 < tol["float32"] < 1e-3 and 0.0 < tol["float64"] < 1e-11
 
 
 # The ResNet18 of 4 filters has, per arch, 62 trainable tensors: the stem conv
@@ -394,38 +434,56 @@ VARIANTS = {
 
 
 @functools.lru_cache(maxsize=None)
-def _jax_outputs(arch, dtype, fused_norm=True):
+def _jax_outputs(case, dtype, fused_norm=True):
   """JAX's answers to what the golden file holds, from one jitted program.
 
-  The golden weights (cast to ``dtype``) and batch through `_model`: eval
-  logits, train-mode logits, the mean cross-entropy ``loss`` of those, the
-  state dict after that train-mode pass (``state``, torch names) and the
-  gradient of ``loss`` for every parameter (``grad``, torch names). One
-  compilation holds the eval and train passes and the backward pass.
+  The golden weights of ``case`` (cast to ``dtype``) and batch through
+  `_model`: eval logits, train-mode logits, the mean cross-entropy ``loss``
+  of those, the state dict after that train-mode pass (``state``, torch
+  names) and the gradient of ``loss`` for every parameter (``grad``, torch
+  names). Where the golden case holds them (`CALIBRATED`), also the
+  eval-mode loss ``eval_loss`` and its gradients ``eval_grad`` (the eval
+  logits are then that loss's forward pass). One compilation holds the eval
+  and train passes and the backward passes.
   """
-  variables = models.from_torchvision(_golden_weights(arch, dtype))
-  x, labels = _golden_inputs(arch, dtype)
+  arch = CASE_ARCH[case]
+  variables = models.from_torchvision(_golden_weights(case, dtype))
+  x, labels = _golden_inputs(case, dtype)
   model = _model(arch, dtype, fused_norm)
+  with_eval_grad = f"{case}/float64/eval_loss" in _golden_arrays()
+
+  def cross_entropy(logits):
+    log_p = jax.nn.log_softmax(logits)
+    return -log_p[np.arange(len(labels)), labels].mean()
 
   def loss_fn(params, rest):
     logits, new = model.apply(
       {**rest, "params": params}, x, train=True, mutable=["batch_stats"]
     )
-    log_p = jax.nn.log_softmax(logits)
-    return -log_p[np.arange(len(labels)), labels].mean(), (logits, new)
+    return cross_entropy(logits), (logits, new)
+
+  def eval_loss_fn(params, rest):
+    logits = model.apply({**rest, "params": params}, x, train=False)
+    return cross_entropy(logits), logits
 
   def outputs(variables):
     params = variables["params"]
     (loss, (logits, new)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
       params, variables
     )
-    return model.apply(variables, x, train=False), logits, new, loss, grads
+    if not with_eval_grad:
+      eval_logits = model.apply(variables, x, train=False)
+      return eval_logits, logits, new, loss, grads, None, None
+    (eval_loss, eval_logits), eval_grads = jax.value_and_grad(
+      eval_loss_fn, has_aux=True
+    )(params, variables)
+    return eval_logits, logits, new, loss, grads, eval_loss, eval_grads
 
   with _x64(dtype):
-    eval_logits, logits, new, loss, grads = jax.device_get(
-      jax.jit(outputs)(variables)
+    eval_logits, logits, new, loss, grads, eval_loss, eval_grads = (
+      jax.device_get(jax.jit(outputs)(variables))
     )
-  return {
+  out = {
     "variables": variables,
     "eval_logits": eval_logits,
     "train_logits": logits,
@@ -434,6 +492,49 @@ def _jax_outputs(arch, dtype, fused_norm=True):
     "grad": models.to_torchvision({**variables, "params": grads}, arch=arch),
     "num_grad_leaves": len(jax.tree.leaves(grads)),
   }
+  if with_eval_grad:
+    out["eval_loss"] = eval_loss
+    out["eval_grad"] = models.to_torchvision(
+      {**variables, "params": eval_grads}, arch=arch
+    )
+  return out
+
+
+def _check_logits(case, got, dtype):
+  """``got``'s eval and train logits against torch's float64 (`_tolerance`)."""
+  want64 = _golden(f"{case}/float64")
+  for kind in ("eval_logits", "train_logits"):
+    assert got[kind].dtype == dtype, kind
+    err, tol = _leaf_err(got[kind], want64[kind]), _tolerance(case, kind)
+    assert err < tol[dtype], (kind, err, tol[dtype])
+
+
+def _check_loss(case, got, dtype, loss="loss", logits="train_logits"):
+  """``got[loss]`` against torch's float64, from its logits' tolerance.
+
+  The loss is mean_i(logsumexp(z_i) - z_i[y_i]); logsumexp moves at most as
+  far as the largest logit, so |d loss| <= 2 max |d z| <= 2 * (the logits'
+  tolerance) * max |z|. Relative to the loss, with torch's float64 logits for
+  max |z| (the loss's own rounding, a few u over 5 classes and 4 examples, is
+  far inside the tolerance's margin of 16 or 64).
+  """
+  want_loss = _golden_arrays()[f"{case}/float64/{loss}"]
+  z_max = np.max(np.abs(_golden(f"{case}/float64")[logits]))
+  loss_tol = 2 * _tolerance(case, logits)[dtype] * z_max / want_loss
+  err = _leaf_err(got[loss], want_loss)
+  assert err < loss_tol, (loss, got[loss], want_loss, err, loss_tol)
+
+
+def _check_grads(case, got, dtype, kind="grad"):
+  """Every parameter's gradient ``got[kind]`` against torch's float64."""
+  want = _golden(f"{case}/float64/{kind}")
+  tol = _tolerance(case, kind)[dtype]
+  assert len(want) == got["num_grad_leaves"] == NUM_PARAM_TENSORS
+  for name, g in want.items():
+    assert got[kind][name].dtype == dtype, (kind, name)
+    assert got[kind][name].shape == g.shape, (kind, name)
+    err = _leaf_err(got[kind][name], g)
+    assert err < tol, (kind, name, err, tol)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -447,11 +548,7 @@ def test_logits_statistics_and_gradients_match_torch(arch, variant):
   """
   dtype, fused_norm = VARIANTS[variant]
   got = _jax_outputs(arch, dtype, fused_norm)
-  want64 = _golden(f"{arch}/float64")
-  for kind in ("eval_logits", "train_logits"):
-    assert got[kind].dtype == dtype, kind
-    err, tol = _leaf_err(got[kind], want64[kind]), _tolerance(arch, kind)
-    assert err < tol[dtype], (kind, err, tol[dtype])
+  _check_logits(arch, got, dtype)
 
   stats = _golden(f"{arch}/float64/stats")
   tol = _tolerance(arch, "stats")[dtype]
@@ -461,24 +558,8 @@ def test_logits_statistics_and_gradients_match_torch(arch, variant):
       assert got["state"][name].dtype == dtype, name
       assert _leaf_err(got["state"][name], value) < tol, name
 
-  # The loss is mean_i(logsumexp(z_i) - z_i[y_i]); logsumexp moves at most
-  # as far as the largest logit, so |d loss| <= 2 max |d z| <= 2 * (the train
-  # logits' tolerance) * max |z|. Relative to the loss, with torch's float64
-  # logits for max |z| (the loss's own rounding, a few u over 5 classes and 4
-  # examples, is far inside the tolerance's margin of 16 or 64).
-  want_loss = _golden_arrays()[f"{arch}/float64/loss"]
-  z_max = np.max(np.abs(want64["train_logits"]))
-  loss_tol = 2 * _tolerance(arch, "train_logits")[dtype] * z_max / want_loss
-  assert _leaf_err(got["loss"], want_loss) < loss_tol, (got["loss"], want_loss)
-
-  want = _golden(f"{arch}/float64/grad")
-  tol = _tolerance(arch, "grad")[dtype]
-  assert len(want) == got["num_grad_leaves"] == NUM_PARAM_TENSORS
-  for name, g in want.items():
-    assert got["grad"][name].dtype == dtype, name
-    assert got["grad"][name].shape == g.shape, name
-    err = _leaf_err(got["grad"][name], g)
-    assert err < tol, (name, err, tol)
+  _check_loss(arch, got, dtype)
+  _check_grads(arch, got, dtype)
 
   # Round trip exact, counters included.
   sd = _golden_weights(arch, dtype)
@@ -487,6 +568,27 @@ def test_logits_statistics_and_gradients_match_torch(arch, variant):
   for name, value in sd.items():
     np.testing.assert_array_equal(back[name], value, err_msg=name)
     assert back[name].dtype == value.dtype, name
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_calibrated_statistics_eval_and_train_gradients_match_torch(variant):
+  """Running statistics calibrated by torch, in eval mode and in train mode.
+
+  The torchvision ResNet18 (random BatchNorm affine) whose running
+  statistics are one calibration batch's (``calibrated/``, see
+  ``tools/make_torch_golden.py``), on another batch: the eval logits, the
+  eval-mode loss and every parameter's gradient through the running
+  statistics, and the train-mode logits, loss and gradients, each against
+  torch's float64 within the tolerance of its kind (`_tolerance`, from this
+  case's own float32 error).
+  """
+  dtype, fused_norm = VARIANTS[variant]
+  got = _jax_outputs(CALIBRATED, dtype, fused_norm)
+  _check_logits(CALIBRATED, got, dtype)
+  _check_loss(CALIBRATED, got, dtype, "eval_loss", "eval_logits")
+  _check_loss(CALIBRATED, got, dtype, "loss", "train_logits")
+  _check_grads(CALIBRATED, got, dtype, "eval_grad")
+  _check_grads(CALIBRATED, got, dtype, "grad")
 
 
 # The init scheme of torchvision's resnet18 (zero_init_residual=False):
@@ -651,7 +753,9 @@ def test_bfloat16_torch_tensors_round_trip_exactly():
 def test_golden_files_are_what_torch_computes(tmp_path):
   """With torch: tools/make_torch_golden.py again, against what is committed.
 
-  Inputs, weights, counters and bits are exact; computed values within the
+  Inputs, weights, counters and bits are exact (the calibrated running
+  statistics too: computed in float64 and rounded to float32, which another
+  summation order changes only at a near-tie); computed values within the
   float32/float64 tolerances above (torch on another CPU sums in another
   order); torch's init statistics (its generator may take another vector
   path on another CPU) to float32 rounding.

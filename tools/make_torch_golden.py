@@ -26,6 +26,28 @@ same on every machine); torch computes, in float32 and float64, for each net:
 * ``<arch>/<dtype>/grad/<name>``: the gradient of ``loss`` for every
   parameter, by torch name.
 
+``calibrated/...``: the torchvision net (4 filters, 5 classes, a batch of 4
+at 64x64, seed 2) with running statistics calibrated by torch, so that eval
+mode normalises with statistics of real activations (the deployed setting),
+not random ones. Weights drawn as above (random BatchNorm affine: weight
+U(0.5, 1.5), bias N(0, 0.2)), then, in float64: every BatchNorm's
+``reset_running_stats()`` (mean 0, variance 1, counter 0) and
+``momentum=None`` (torch's cumulative average), one train-mode forward pass
+(no gradient) of a separate calibration batch (float64 N(0, 1), drawn
+before ``x``, not stored). That sets each running mean to the calibration
+batch's mean, each running variance to its unbiased variance (the biased one
+times ``n / (n - 1)``, n values per channel) and each counter to 1; the
+statistics are rounded to float32 and momentum is torch's default (0.1)
+again. The arrays:
+
+* ``calibrated/weights/<name>``: that float32 state dict, calibrated;
+* ``calibrated/x`` (NCHW float32) and ``calibrated/labels``;
+* ``calibrated/<dtype>/eval_logits``, ``eval_loss`` (mean cross-entropy of
+  the eval-mode logits: the calibrated running statistics in use) and
+  ``eval_grad/<name>``, the gradient of ``eval_loss`` for every parameter;
+* ``calibrated/<dtype>/train_logits``, ``loss`` (of the train-mode logits:
+  batch statistics) and ``grad/<name>``, the gradient of ``loss``.
+
 And ``init/<name>``: ``[size, mean, std, max |value|]`` of each tensor of
 torch's ``TorchvisionResNet18(num_classes=100, num_filters=16)`` init (torch
 seed 0); ``bfloat16/<name>``: the bits (uint16) of torch's bfloat16 cast of
@@ -51,6 +73,7 @@ INIT_FILTERS, INIT_CLASSES = 16, 100
 # 2x2 (train-mode BatchNorm over 4 * 2 * 2 = 16 values per channel).
 SIZE = {"resnet18_torchvision": 64, "resnet18": 32}
 SEED = {"resnet18_torchvision": 0, "resnet18": 1}
+CALIBRATED, CALIBRATED_SEED = "calibrated", 2
 NPZ, PTH = "torch_resnet18.npz", "torch_resnet18.pth"
 
 
@@ -137,6 +160,67 @@ def parity_arrays(arch: str) -> dict[str, np.ndarray]:
   return out
 
 
+def loss_and_grads(net, x, labels):
+  """``net``'s logits on ``x``, their mean cross-entropy and its gradients.
+
+  Returns ``(logits, loss, {parameter name: gradient})`` as numpy arrays, in
+  the mode (train or eval) ``net`` is in.
+  """
+  net.zero_grad()
+  logits = net(x)
+  loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels))
+  loss.backward()
+  grads = {k: p.grad.numpy().copy() for k, p in net.named_parameters()}
+  return logits.detach().numpy(), loss.detach().numpy(), grads
+
+
+def calibrated_arrays() -> dict[str, np.ndarray]:
+  """The ``calibrated/...`` arrays of the module docstring."""
+  arch, size = "resnet18_torchvision", SIZE["resnet18_torchvision"]
+  rng = np.random.default_rng(CALIBRATED_SEED)
+  net, _ = make_net(arch, CLASSES, FILTERS)
+  weights = random_weights(net, rng)
+  calibration = rng.normal(size=(BATCH, 3, size, size))
+  x = rng.normal(size=(BATCH, 3, size, size)).astype(np.float32)
+  labels = np.arange(BATCH, dtype=np.int64) % CLASSES
+  net.load_state_dict(
+    {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
+  )
+  net.double()
+  norms = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+  for m in norms:
+    m.reset_running_stats()
+    m.momentum = None  # Cumulative: the first batch's statistics, as they are.
+  net.train()
+  with torch.no_grad():
+    net(torch.from_numpy(calibration))
+  for m in norms:
+    m.momentum = 0.1
+  weights = {
+    k: v.numpy().astype(np.float32 if v.is_floating_point() else np.int64)
+    for k, v in net.state_dict().items()
+  }
+  out = {f"{CALIBRATED}/x": x, f"{CALIBRATED}/labels": labels}
+  out.update({f"{CALIBRATED}/weights/{k}": v for k, v in weights.items()})
+  for dtype in ("float32", "float64"):
+    tdtype = getattr(torch, dtype)
+    net.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+    net.to(tdtype)
+    tx = torch.from_numpy(x).to(tdtype)
+    prefix = f"{CALIBRATED}/{dtype}"
+    # Eval mode first: the train-mode pass updates the running statistics.
+    for mode, (logits_key, loss_key, grad_key) in (
+      ("eval", ("eval_logits", "eval_loss", "eval_grad")),
+      ("train", ("train_logits", "loss", "grad")),
+    ):
+      net.train(mode == "train")
+      logits, loss, grads = loss_and_grads(net, tx, labels)
+      out[f"{prefix}/{logits_key}"] = logits
+      out[f"{prefix}/{loss_key}"] = loss
+      out.update({f"{prefix}/{grad_key}/{k}": g for k, g in grads.items()})
+  return out
+
+
 def init_statistics() -> dict[str, np.ndarray]:
   """``init/<name>``: size, mean, std and max |value| of torch's init."""
   torch.manual_seed(0)
@@ -155,6 +239,7 @@ def write(out_dir: str) -> None:
   arrays = {}
   for arch in SIZE:
     arrays.update(parity_arrays(arch))
+  arrays.update(calibrated_arrays())
   arrays.update(init_statistics())
   prefix = "resnet18_torchvision/weights/"
   weights = {
