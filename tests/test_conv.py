@@ -6,6 +6,7 @@ from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxmp._src import conv
 
@@ -135,3 +136,60 @@ def test_cpu_rewrites_stay_off_other_platforms():
   for size, kernel in ((2, 3), (8, 3), (8, 1)):
     hlo = _conv_hlo(size, "cuda", kernel)
     assert hlo.count("stablehlo.convolution") == 3
+
+
+@pytest.mark.parametrize(
+  "k, n, size, cin, cout",
+  [
+    # (kernel, batch, size, in, out): each forward output sums k*k*in
+    # products, each input-gradient element k*k*out, each kernel-gradient
+    # element batch*size*size (4096, or 2304 for the 2x2 map: im2col).
+    (3, 64, 8, 128, 32),
+    (1, 64, 8, 128, 32),
+    (3, 576, 2, 64, 32),
+  ],
+)
+def test_half_convolutions_accumulate_in_float32(k, n, size, cin, cout):
+  """fp16 in, fp16 out, but each long sum carried in fp32 (as cuDNN does).
+
+  On positive operands, a sum of ``m`` products carried in fp32 and rounded
+  once to fp16 is within ``u16 + m * u32`` of float64, relative to the
+  value (every partial sum is below the total). Carried in fp16, it drifts
+  by ``log2(m)`` to ``m`` units of ``u16``: over the thousands of products
+  of a ResNet's kernel gradient, far outside. Checked for `lax`'s
+  convolution, which XLA:CPU computes, and for `jaxmp.nn`'s CPU lowerings,
+  forward and both gradients, against float64 on the same fp16 values.
+  """
+  rng = np.random.default_rng(k * 1000 + size)
+  x = rng.uniform(0.5, 1.0, (n, size, size, cin)).astype(np.float16)
+  w = rng.uniform(0.5, 1.0, (k, k, cin, cout)).astype(np.float16)
+  dy = rng.uniform(0.5, 1.0, (n, size, size, cout)).astype(np.float16)
+  dn = ("NHWC", "HWIO", "NHWC")
+  pad = ((k // 2, k // 2),) * 2
+
+  def outputs(fn, x, w, dy):
+    y, vjp = jax.vjp(
+      lambda a, b: fn(a, b, (1, 1), pad, dimension_numbers=dn), x, w
+    )
+    return (y, *vjp(dy))
+
+  got = jax.jit(
+    lambda x, w, dy: [
+      outputs(f, x, w, dy)
+      for f in (jax.lax.conv_general_dilated, conv.conv_general_dilated)
+    ]
+  )(x, w, dy)
+  with jax.enable_x64(True):
+    want = jax.jit(functools.partial(outputs, jax.lax.conv_general_dilated))(
+      *(jnp.asarray(a, jnp.float64) for a in (x, w, dy))
+    )
+    want = [np.asarray(a) for a in want]
+  # Terms per sum: forward, input gradient, kernel gradient (zero padding
+  # drops some at the border: fewer terms, a smaller bound's share).
+  terms = (k * k * cin, k * k * cout, n * size * size)
+  u16, u32 = 2.0**-11, 2.0**-24
+  for name, ours in zip(("lax", "jaxmp.nn"), got):
+    for what, a, b, m in zip(("y", "dx", "dw"), ours, want, terms):
+      assert a.dtype == jnp.float16, (name, what)
+      err = np.max(np.abs(np.asarray(a, np.float64) - b) / b)
+      assert err <= u16 + m * u32, (name, what, err / u16)

@@ -134,8 +134,11 @@ def conv_by_im2col(
 
   The ``kh * kw`` strided windows of the padded input are laid side by side
   into ``[n * ho * wo, kh * kw * c]`` and multiplied by the kernel reshaped to
-  ``[kh * kw * c, o]``, accumulating in fp32 (fp64 for fp64 operands). Its gradients are JAX's own:
-  matrix products, and pads for the windows' transposes. On maps of a few
+  ``[kh * kw * c, o]``, in fp32 for half-precision operands (fp64 for fp64
+  ones), rounded once to ``lhs``'s dtype at the end. Its gradients are JAX's
+  own: matrix products, and pads for the windows' transposes, all in that
+  wider dtype, so that the input gradient sums its overlapping windows
+  before its one rounding, as XLA's convolution does. On maps of a few
   pixels XLA:CPU's convolution is 10-40x slower than this product (2x2 and
   1x1 maps of 256-512 channels, the last stages of the torchvision ResNet18
   on 32x32 images: ``bench/cpu_ops.py``); on larger maps it is faster.
@@ -153,7 +156,12 @@ def conv_by_im2col(
   kh, kw, c, o = rhs.shape
   n = lhs.shape[0]
   sh, sw = strides
-  x = jnp.pad(lhs, ((0, 0), tuple(padding[0]), tuple(padding[1]), (0, 0)))
+  # XLA:CPU computes half precision in fp32 anyway: widening first costs no
+  # arithmetic, and keeps every gradient's partial sums wide.
+  wide = _accumulation_dtype(lhs, rhs)
+  x = jnp.pad(
+    lhs.astype(wide), ((0, 0), tuple(padding[0]), tuple(padding[1]), (0, 0))
+  )
   ho = (x.shape[1] - kh) // sh + 1
   wo = (x.shape[2] - kw) // sw + 1
   windows = [
@@ -163,10 +171,7 @@ def conv_by_im2col(
   ]
   cols = jnp.concatenate(windows, axis=-1).reshape(n * ho * wo, kh * kw * c)
   y = jnp.matmul(
-    cols,
-    rhs.reshape(kh * kw * c, o),
-    precision=precision,
-    preferred_element_type=_accumulation_dtype(lhs, rhs),
+    cols, rhs.astype(wide).reshape(kh * kw * c, o), precision=precision
   )
   return y.reshape(n, ho, wo, o).astype(lhs.dtype)
 
