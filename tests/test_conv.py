@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxmp
+
 from jaxmp._src import conv
 
 f16, f32 = jnp.float16, jnp.float32
@@ -149,7 +151,10 @@ def test_cpu_rewrites_stay_off_other_platforms():
     (3, 576, 2, 64, 32),
   ],
 )
-def test_half_convolutions_accumulate_in_float32(k, n, size, cin, cout):
+@pytest.mark.parametrize("jaxmp_options", [False, True])
+def test_half_convolutions_accumulate_in_float32(
+  k, n, size, cin, cout, jaxmp_options
+):
   """fp16 in, fp16 out, but each long sum carried in fp32 (as cuDNN does).
 
   On positive operands, a sum of ``m`` products carried in fp32 and rounded
@@ -157,8 +162,10 @@ def test_half_convolutions_accumulate_in_float32(k, n, size, cin, cout):
   value (every partial sum is below the total). Carried in fp16, it drifts
   by ``log2(m)`` to ``m`` units of ``u16``: over the thousands of products
   of a ResNet's kernel gradient, far outside. Checked for `lax`'s
-  convolution, which XLA:CPU computes, and for `jaxmp.nn`'s CPU lowerings,
-  forward and both gradients, against float64 on the same fp16 values.
+  convolution, which XLA:CPU computes (with its default convolutions, and
+  with its own under `jaxmp.cpu_compiler_options`), and for `jaxmp.nn`'s CPU
+  lowerings, forward and both gradients, against float64 on the same fp16
+  values.
   """
   rng = np.random.default_rng(k * 1000 + size)
   x = rng.uniform(0.5, 1.0, (n, size, size, cin)).astype(np.float16)
@@ -177,7 +184,11 @@ def test_half_convolutions_accumulate_in_float32(k, n, size, cin, cout):
     lambda x, w, dy: [
       outputs(f, x, w, dy)
       for f in (jax.lax.conv_general_dilated, conv.conv_general_dilated)
-    ]
+    ],
+    # XLA's default CPU convolutions (YNNPACK's), or its own (Eigen's).
+    compiler_options=(jaxmp.cpu_compiler_options() or None)
+    if jaxmp_options
+    else None,
   )(x, w, dy)
   with jax.enable_x64(True):
     want = jax.jit(functools.partial(outputs, jax.lax.conv_general_dilated))(
