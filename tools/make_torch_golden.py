@@ -146,17 +146,14 @@ def parity_arrays(arch: str) -> dict[str, np.ndarray]:
     with torch.no_grad():
       out[f"{arch}/{dtype}/eval_logits"] = net(tx).numpy()
     net.train()
-    net.zero_grad()
-    logits = net(tx)
-    loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels))
-    loss.backward()
-    out[f"{arch}/{dtype}/train_logits"] = logits.detach().numpy()
-    out[f"{arch}/{dtype}/loss"] = loss.detach().numpy()
+    logits, loss, grads = loss_and_grads(net, tx, labels)
+    out[f"{arch}/{dtype}/train_logits"] = logits
+    out[f"{arch}/{dtype}/loss"] = loss
     for k, v in net.state_dict().items():
       if "running_" in k or "num_batches" in k:
         out[f"{arch}/{dtype}/stats/{rename(k)}"] = v.numpy().copy()
-    for k, p in net.named_parameters():
-      out[f"{arch}/{dtype}/grad/{rename(k)}"] = p.grad.numpy().copy()
+    for k, g in grads.items():
+      out[f"{arch}/{dtype}/grad/{rename(k)}"] = g
   return out
 
 
