@@ -1,7 +1,8 @@
 """Device-resident data: `host_stream`'s batch, built on the accelerators.
 
-For a data set kept on the devices (airbench style), the jitted train step
-builds its own batch from the zero-padded uint8 set, the epoch's
+For a data set kept on the devices (airbench style), the devices build
+each batch (in the train step's program, or in one of its own before a lone
+step: `batches.DeviceResident`) from the zero-padded uint8 set, the epoch's
 `host_stream.EpochPlan` (put on the devices once per epoch) and the step's
 index. The integer indexing is `host_stream`'s own (`crop_rows_cols`), and
 the float32 values are looked up in `host_stream.normalization_table`, so a

@@ -67,7 +67,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.std = (0.2470, 0.2435, 0.2616)
   config.augment = True  # Random crop (pad 4) + horizontal flip.
   # Where the training split lives: True (on the devices: shuffling, crops,
-  # flips and normalisation run inside the jitted step), False (built on the
+  # flips and normalisation run there, in jitted programs), False (built on the
   # host, a background thread placing each batch on the devices ahead of its
   # step), or "auto": on the devices when the uint8 split, padded, fits in
   # a quarter of one device's memory (on a CPU, of the host's RAM), else on

@@ -1,7 +1,7 @@
 """Tests of cifar_train.batches and loop.evaluate: what the steps are fed.
 
 Both data modes on a 4-device mesh: the host stream's batches, placed on the
-mesh, and the device-resident set's batches, built inside the step, must be
+mesh, and the device-resident set's batches, built on the devices, must be
 the same bits for every step of every epoch, resumed or not.
 """
 

@@ -240,6 +240,40 @@ def test_k_steps_in_one_call_are_k_single_steps(
     )
 
 
+@pytest.mark.invariant
+def test_lone_steps_on_device_batches_are_those_on_host_batches(
+  make_config, data_dir, tiny_data, monkeypatch
+):
+  """One step a call: the devices' batches train as the host's, every bit."""
+  one_block_models(monkeypatch)
+  results = []
+  for on_device in (False, True):
+    s = settings.resolve(
+      make_config(data_dir, data_on_device=on_device, steps_per_call=1)
+    )
+    job = loop.set_up(s, tiny_data)
+    source = loop.make_batch_source(job)
+    step_fn, _ = loop.compile_steps(job, source)
+    state = jax.device_put(loop.make_init(job)(), job.replicated)
+    metrics = jax.device_put(
+      steps.zero_metrics(state.opt_state), job.replicated
+    )
+    # Epoch 1 from its third batch: the plan's epoch and first step count.
+    for args in source.calls(state, 1, 2, [1] * 4):
+      state, metrics = step_fn(state, *args, metrics)
+    assert int(state.step) == 4
+    results.append(
+      (steps.state_fingerprint(state), jax.tree.map(np.asarray, metrics))
+    )
+  (fp_host, m_host), (fp_device, m_device) = results
+  assert fp_device == fp_host
+  for key in m_host:
+    np.testing.assert_array_equal(
+      np.asarray(m_device[key]).view(np.uint32),
+      np.asarray(m_host[key]).view(np.uint32),
+    )
+
+
 class _Compiles(logging.Handler):
   """Collects the names of the programs jax compiles (cache misses)."""
 
@@ -253,9 +287,17 @@ class _Compiles(logging.Handler):
       self.events.append(message.split()[1])
 
 
-@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize(
+  "on_device,steps_per_call", [(False, 3), (True, 3), (True, 1)]
+)
 def test_nothing_compiles_after_the_first_epoch(
-  on_device, make_config, data_dir, tiny_data, tmp_path, monkeypatch
+  on_device,
+  steps_per_call,
+  make_config,
+  data_dir,
+  tiny_data,
+  tmp_path,
+  monkeypatch,
 ):
   one_block_models(monkeypatch)
   events = []
@@ -271,12 +313,14 @@ def test_nothing_compiles_after_the_first_epoch(
     return log_epoch(self, **kwargs)
 
   monkeypatch.setattr(reporting.Reporter, "log_epoch", marked)
-  # 8 steps an epoch in calls of 3 steps and single steps (stops at 4, 8):
-  # both train programs, the evaluation, the saves and the logs, 3 epochs.
+  # 8 steps an epoch in calls of 3 steps and single steps (stops at 4, 8),
+  # or of single steps only (on the devices: the batch's program, then the
+  # step's): the train programs, the evaluation, the saves and the logs, 3
+  # epochs.
   config = make_config(
     data_dir,
     data_on_device=on_device,
-    steps_per_call=3,
+    steps_per_call=steps_per_call,
     num_train_steps=-1,
     num_epochs=3,
     log_every_steps=4,
