@@ -202,6 +202,32 @@ def test_step_k_trains_batch_k_of_the_plan_fresh_and_resumed(
     assert labels == expected(step), f"resumed run, step {step}"
 
 
+def _train_calls(job, source, step_fn, epoch, start, sizes):
+  """From the init, calls of ``sizes`` steps from batch ``start`` of ``epoch``.
+
+  Returns the state's fingerprint and the metrics, on the host.
+  """
+  state = jax.device_put(loop.make_init(job)(), job.replicated)
+  metrics = jax.device_put(steps.zero_metrics(state.opt_state), job.replicated)
+  calls = list(source.calls(state, epoch, start, sizes))
+  assert len(calls) == len(sizes)
+  for args in calls:
+    state, metrics = step_fn(state, *args, metrics)
+  assert int(state.step) == sum(sizes)
+  return steps.state_fingerprint(state), jax.tree.map(np.asarray, metrics)
+
+
+def _assert_same_bits(a, b):
+  """Two `_train_calls` results: the same state and metrics, every bit."""
+  (fp_a, metrics_a), (fp_b, metrics_b) = a, b
+  assert fp_a == fp_b
+  for key in metrics_a:
+    np.testing.assert_array_equal(
+      np.asarray(metrics_a[key]).view(np.uint32),
+      np.asarray(metrics_b[key]).view(np.uint32),
+    )
+
+
 @pytest.mark.invariant
 @pytest.mark.parametrize("on_device", [False, True])
 def test_k_steps_in_one_call_are_k_single_steps(
@@ -216,28 +242,10 @@ def test_k_steps_in_one_call_are_k_single_steps(
   assert job.steps_per_call == 3 and job.data_on_device == on_device
   source = loop.make_batch_source(job)
   step_fn, _ = loop.compile_steps(job, source)
-  init = loop.make_init(job)
-  results = []
-  for sizes in ([3, 3, 2], [1] * 8):
-    state = jax.device_put(init(), job.replicated)
-    metrics = jax.device_put(
-      steps.zero_metrics(state.opt_state), job.replicated
-    )
-    calls = list(source.calls(state, 0, 0, sizes))
-    assert len(calls) == len(sizes)
-    for args in calls:
-      state, metrics = step_fn(state, *args, metrics)
-    assert int(state.step) == 8
-    results.append(
-      (steps.state_fingerprint(state), jax.tree.map(np.asarray, metrics))
-    )
-  (fp_multi, m_multi), (fp_single, m_single) = results
-  assert fp_multi == fp_single
-  for key in m_single:
-    np.testing.assert_array_equal(
-      np.asarray(m_multi[key]).view(np.uint32),
-      np.asarray(m_single[key]).view(np.uint32),
-    )
+  _assert_same_bits(
+    _train_calls(job, source, step_fn, 0, 0, [3, 3, 2]),
+    _train_calls(job, source, step_fn, 0, 0, [1] * 8),
+  )
 
 
 @pytest.mark.invariant
@@ -254,24 +262,9 @@ def test_lone_steps_on_device_batches_are_those_on_host_batches(
     job = loop.set_up(s, tiny_data)
     source = loop.make_batch_source(job)
     step_fn, _ = loop.compile_steps(job, source)
-    state = jax.device_put(loop.make_init(job)(), job.replicated)
-    metrics = jax.device_put(
-      steps.zero_metrics(state.opt_state), job.replicated
-    )
     # Epoch 1 from its third batch: the plan's epoch and first step count.
-    for args in source.calls(state, 1, 2, [1] * 4):
-      state, metrics = step_fn(state, *args, metrics)
-    assert int(state.step) == 4
-    results.append(
-      (steps.state_fingerprint(state), jax.tree.map(np.asarray, metrics))
-    )
-  (fp_host, m_host), (fp_device, m_device) = results
-  assert fp_device == fp_host
-  for key in m_host:
-    np.testing.assert_array_equal(
-      np.asarray(m_device[key]).view(np.uint32),
-      np.asarray(m_host[key]).view(np.uint32),
-    )
+    results.append(_train_calls(job, source, step_fn, 1, 2, [1] * 4))
+  _assert_same_bits(*results)
 
 
 class _Compiles(logging.Handler):
