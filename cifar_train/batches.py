@@ -254,12 +254,13 @@ class DeviceResident:
     self._replicated = replicated
     self._batch_sharding = batch_sharding
 
-    def batch(padded, labels, table, index, offsets, flips, k, n):
-      del n
+    def batch(padded, labels, table, index, offsets, flips, k):
+      """Step ``k``'s batch of the epoch's plan."""
       return device_data.device_batch(
         padded, labels, table, index[k], offsets[k], flips[k]
       )
 
+    self._batch_of = batch
     self._batch = jax.jit(batch)
 
   def jit_step(self, train_step):
@@ -276,10 +277,8 @@ class DeviceResident:
     if self._k == 1:
       stacked = NamedSharding(self._batch_sharding.mesh, P(None, "data"))
 
-      def build(padded, labels, table, index, offsets, flips, k):
-        x, y = device_data.device_batch(
-          padded, labels, table, index[k], offsets[k], flips[k]
-        )
+      def build(*data):
+        x, y = self._batch_of(*data)
         return x[None], y[None]
 
       return _BuildThenStep(
@@ -327,7 +326,7 @@ class DeviceResident:
   def batch(self, state, *args):
     """The batch gathered and augmented as the step does it."""
     del state
-    return self._batch(*args)
+    return self._batch(*args[:-1])  # Not the call's step count.
 
   def step_args_like(self):
     """The resident arrays, an epoch's plan, the first step and the count."""
