@@ -48,6 +48,11 @@ again. The arrays:
 * ``calibrated/<dtype>/train_logits``, ``loss`` (of the train-mode logits:
   batch statistics) and ``grad/<name>``, the gradient of ``loss``.
 
+Every case is checked clear of the ReLU's kink (`check_clear_of_kinks`):
+an input that fp32 arithmetic in another summation order (another CPU) could
+move across 0 would pass or stop a whole gradient entry, an error no
+tolerance on the gradients can allow for.
+
 And ``init/<name>``: ``[size, mean, std, max |value|]`` of each tensor of
 torch's ``TorchvisionResNet18(num_classes=100, num_filters=16)`` init (torch
 seed 0); ``bfloat16/<name>``: the bits (uint16) of torch's bfloat16 cast of
@@ -132,6 +137,9 @@ def parity_arrays(arch: str) -> dict[str, np.ndarray]:
   net, rename = make_net(arch, CLASSES, FILTERS)
   weights = random_weights(net, rng)
   x = rng.normal(size=(BATCH, 3, SIZE[arch], SIZE[arch])).astype(np.float32)
+  check_clear_of_kinks(
+    arch, lambda: make_net(arch, CLASSES, FILTERS)[0], weights, x, train=True
+  )
   labels = np.arange(BATCH, dtype=np.int64) % CLASSES
   out = {f"{arch}/x": x, f"{arch}/labels": labels}
   out.update({f"{arch}/weights/{rename(k)}": v for k, v in weights.items()})
@@ -155,6 +163,71 @@ def parity_arrays(arch: str) -> dict[str, np.ndarray]:
     for k, g in grads.items():
       out[f"{arch}/{dtype}/grad/{rename(k)}"] = g
   return out
+
+
+def relu_inputs(net, x) -> list[np.ndarray]:
+  """The input of every ``torch.relu`` of ``net``'s forward pass on ``x``."""
+  seen, relu = [], torch.relu
+
+  def recording(t):
+    seen.append(t.detach().double().numpy().copy())
+    return relu(t)
+
+  torch.relu = recording
+  try:
+    with torch.no_grad():
+      net(x)
+  finally:
+    torch.relu = relu
+  return seen
+
+
+def kink_clearance(inputs32, inputs64) -> float:
+  """How far the ReLU inputs nearest 0 are from it, in fp32 errors.
+
+  The least, over the ReLUs, of the smallest float64 ``|input|`` over the
+  largest fp32 error (``|input32 - input64|``) of that ReLU's inputs: below
+  1, some input sits closer to the kink than fp32 arithmetic moves inputs
+  of its layer, so another summation order could flip its side.
+
+  >>> a64 = np.float64([1.001, -2.0])  # fp32 is 0.001 off: 1.001 from 0.
+  >>> round(kink_clearance([np.float32([1.0, -2.0])], [a64]))
+  1001
+  >>> b64 = np.float64([-1e-9, 3.01])  # On the other side of the kink.
+  >>> kink_clearance([np.float32([1e-9, 3.0])], [b64]) < 1
+  True
+  """
+  clearance = np.inf
+  for a, b in zip(inputs32, inputs64):
+    error = np.abs(np.asarray(a, np.float64) - b).max()
+    clearance = min(
+      clearance, np.abs(b).min() / max(error, np.finfo(float).tiny)
+    )
+  return float(clearance)
+
+
+def check_clear_of_kinks(case: str, make, weights, x, train: bool) -> float:
+  """`kink_clearance` of ``case`` (>= 1, else ValueError), torch's fp32 vs fp64.
+
+  ``make()`` builds the torch net; ``weights`` are its float32 state dict.
+  """
+  inputs = []
+  for dtype in (torch.float32, torch.float64):
+    net = make()
+    net.load_state_dict(
+      {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
+    )
+    net.to(dtype)
+    net.train(train)
+    inputs.append(relu_inputs(net, torch.from_numpy(x).to(dtype)))
+  clearance = kink_clearance(*inputs)
+  if clearance < 1:
+    raise ValueError(
+      f"{case} ({'train' if train else 'eval'} mode): a ReLU input is "
+      f"{clearance:.2g} of its layer's largest fp32 error from 0; draw "
+      "another seed"
+    )
+  return clearance
 
 
 def loss_and_grads(net, x, labels):
@@ -197,6 +270,14 @@ def calibrated_arrays() -> dict[str, np.ndarray]:
     k: v.numpy().astype(np.float32 if v.is_floating_point() else np.int64)
     for k, v in net.state_dict().items()
   }
+  for train in (False, True):
+    check_clear_of_kinks(
+      CALIBRATED,
+      lambda: make_net(arch, CLASSES, FILTERS)[0],
+      weights,
+      x,
+      train=train,
+    )
   out = {f"{CALIBRATED}/x": x, f"{CALIBRATED}/labels": labels}
   out.update({f"{CALIBRATED}/weights/{k}": v for k, v in weights.items()})
   for dtype in ("float32", "float64"):
