@@ -12,6 +12,7 @@ gradients too. With torch, three more tests: the golden files regenerated and
 compared, the ``.pth`` read, torch's bfloat16 tensors.
 """
 
+import doctest
 import functools
 import os
 import sys
@@ -750,6 +751,28 @@ def test_bfloat16_torch_tensors_round_trip_exactly():
     assert torch.equal(got, v), k
 
 
+def _golden_maker():
+  """``tools/make_torch_golden.py`` as a module (it imports torch)."""
+  sys.path.insert(0, os.path.join(ROOT, "tools"))
+  try:
+    import make_torch_golden  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.pop(0)
+  return make_torch_golden
+
+
+def test_golden_maker_measures_kink_and_tie_clearance_on_hand_cases():
+  """With torch: the golden maker's doctests, the hand cases of its checks.
+
+  `kink_clearance` (a ReLU input near 0) and `pool_tie_clearance` (a
+  max-pool window's two largest inputs close): each a case clear of the
+  kink and one that is not.
+  """
+  pytest.importorskip("torch")
+  result = doctest.testmod(_golden_maker(), verbose=False)
+  assert result.attempted >= 9 and result.failed == 0, result
+
+
 def test_golden_files_are_what_torch_computes(tmp_path):
   """With torch: tools/make_torch_golden.py again, against what is committed.
 
@@ -761,11 +784,7 @@ def test_golden_files_are_what_torch_computes(tmp_path):
   path on another CPU) to float32 rounding.
   """
   torch = pytest.importorskip("torch")
-  sys.path.insert(0, os.path.join(ROOT, "tools"))
-  try:
-    import make_torch_golden  # pylint: disable=g-import-not-at-top
-  finally:
-    sys.path.pop(0)
+  make_torch_golden = _golden_maker()
   make_torch_golden.write(str(tmp_path))
   with np.load(tmp_path / make_torch_golden.NPZ) as f:
     fresh = {k: f[k] for k in f.files}

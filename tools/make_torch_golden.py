@@ -48,10 +48,11 @@ again. The arrays:
 * ``calibrated/<dtype>/train_logits``, ``loss`` (of the train-mode logits:
   batch statistics) and ``grad/<name>``, the gradient of ``loss``.
 
-Every case is checked clear of the ReLU's kink (`check_clear_of_kinks`):
-an input that fp32 arithmetic in another summation order (another CPU) could
-move across 0 would pass or stop a whole gradient entry, an error no
-tolerance on the gradients can allow for.
+Every case is checked clear of the nets' two kinks (`check_clear_of_kinks`):
+a ReLU input that fp32 arithmetic in another summation order (another CPU)
+could move across 0 would pass or stop a whole gradient entry, and so would
+a max-pool window whose two largest inputs it could swap (the gradient goes
+to the other one). No tolerance on the gradients can allow for either.
 
 And ``init/<name>``: ``[size, mean, std, max |value|]`` of each tensor of
 torch's ``TorchvisionResNet18(num_classes=100, num_filters=16)`` init (torch
@@ -206,12 +207,82 @@ def kink_clearance(inputs32, inputs64) -> float:
   return float(clearance)
 
 
-def check_clear_of_kinks(case: str, make, weights, x, train: bool) -> float:
-  """`kink_clearance` of ``case`` (>= 1, else ValueError), torch's fp32 vs fp64.
+def pool_inputs(net, x) -> list[tuple[np.ndarray, int, int, int]]:
+  """Each ``nn.MaxPool2d`` input of ``net``'s forward pass on ``x``, in float64.
 
-  ``make()`` builds the torch net; ``weights`` are its float32 state dict.
+  Returns ``(input, kernel_size, stride, padding)`` per pool, in call order.
   """
-  inputs = []
+  seen = []
+
+  def record(module, args, output):
+    del output
+    seen.append(
+      (
+        args[0].detach().double().numpy().copy(),
+        module.kernel_size,
+        module.stride,
+        module.padding,
+      )
+    )
+
+  hooks = [
+    m.register_forward_hook(record)
+    for m in net.modules()
+    if isinstance(m, torch.nn.MaxPool2d)
+  ]
+  try:
+    with torch.no_grad():
+      net(x)
+  finally:
+    for hook in hooks:
+      hook.remove()
+  return seen
+
+
+def pool_tie_clearance(pools32, pools64) -> float:
+  """How far each max-pool window's winner is ahead, in fp32 errors.
+
+  The least, over the pools (`pool_inputs`), of the smallest float64 gap
+  between the largest and the second largest input of a window over the
+  largest fp32 error of that pool's inputs (``inf`` without pools): below
+  1, fp32 arithmetic in another order could swap the two, and the
+  window's gradient would go to the other input. Windows whose largest
+  input is <= 0 are skipped: after a ReLU they are all zeros, whose
+  gradient the ReLU stops whichever wins.
+
+  >>> x64 = np.float64([[[[1.0, 3.0], [2.9995, 0.0]]]])  # 3 leads by 5e-4.
+  >>> x32 = (x64 + 1e-4).astype(np.float32)  # fp32 is 1e-4 off.
+  >>> round(pool_tie_clearance([(x32, 2, 2, 0)], [(x64, 2, 2, 0)]), 1)
+  5.0
+  >>> zeros = np.zeros((1, 1, 2, 2))  # Ties at 0 are behind a ReLU.
+  >>> pool_tie_clearance([(zeros, 2, 2, 0)], [(zeros, 2, 2, 0)])
+  inf
+  """
+  clearance = np.inf
+  for (a, _, _, _), (b, k, s, p) in zip(pools32, pools64):
+    error = np.abs(np.asarray(a, np.float64) - b).max()
+    padded = np.pad(
+      b, ((0, 0), (0, 0), (p, p), (p, p)), constant_values=-np.inf
+    )
+    windows = np.lib.stride_tricks.sliding_window_view(
+      padded, (k, k), axis=(2, 3)
+    )[:, :, ::s, ::s]
+    windows = windows.reshape(*windows.shape[:4], k * k)
+    second, first = np.moveaxis(np.sort(windows, -1)[..., -2:], -1, 0)
+    gaps = (first - second)[first > 0]
+    if gaps.size:
+      clearance = min(clearance, gaps.min() / max(error, np.finfo(float).tiny))
+  return float(clearance)
+
+
+def check_clear_of_kinks(case: str, make, weights, x, train: bool) -> float:
+  """Both clearances of ``case``, torch's fp32 vs fp64; ValueError below 1.
+
+  `kink_clearance` (the ReLUs) and `pool_tie_clearance` (the max-pools);
+  returns the smaller. ``make()`` builds the torch net; ``weights`` are its
+  float32 state dict.
+  """
+  relus, pools = [], []
   for dtype in (torch.float32, torch.float64):
     net = make()
     net.load_state_dict(
@@ -219,15 +290,21 @@ def check_clear_of_kinks(case: str, make, weights, x, train: bool) -> float:
     )
     net.to(dtype)
     net.train(train)
-    inputs.append(relu_inputs(net, torch.from_numpy(x).to(dtype)))
-  clearance = kink_clearance(*inputs)
-  if clearance < 1:
+    relus.append(relu_inputs(net, torch.from_numpy(x).to(dtype)))
+    pools.append(pool_inputs(net, torch.from_numpy(x).to(dtype)))
+  mode = "train" if train else "eval"
+  relu, pool = kink_clearance(*relus), pool_tie_clearance(*pools)
+  if relu < 1:
     raise ValueError(
-      f"{case} ({'train' if train else 'eval'} mode): a ReLU input is "
-      f"{clearance:.2g} of its layer's largest fp32 error from 0; draw "
-      "another seed"
+      f"{case} ({mode} mode): a ReLU input is {relu:.2g} of its layer's "
+      "largest fp32 error from 0; draw another seed"
     )
-  return clearance
+  if pool < 1:
+    raise ValueError(
+      f"{case} ({mode} mode): a max-pool window's two largest inputs are "
+      f"{pool:.2g} of the pool's largest fp32 error apart; draw another seed"
+    )
+  return min(relu, pool)
 
 
 def loss_and_grads(net, x, labels):
