@@ -25,11 +25,16 @@ config's linear warm-up.
 
 Prints one row per run as it ends, then one table: per policy the test
 accuracy of each seed, the mean, the spread (sample standard deviation and
-min..max), the mean final train loss (the epoch's mean) and the gap of the
-mean to the first policy's (the baseline, ``O0``). The last line is
-``max_gap_pp: X`` (the largest shortfall of a policy's mean against the
-baseline's, in percentage points; goal: <= 1). ``--out=FILE`` also writes
-every run's summary as JSON lines.
+min..max), the mean final train loss (the epoch's mean), the gap of the
+mean to the first policy's (the baseline, ``O0``), that gap's standard
+error (paired by seed: every policy trains on the seed's same initial
+weights and data order) and at how many seeds the policy is below the
+baseline. The last line is ``max_gap_pp: X`` (the largest shortfall of a
+policy's mean against the baseline's, in percentage points; goal: <= 1).
+``--out=FILE`` also writes every run's summary as JSON lines (appended);
+``--tabulate=FILE[,FILE...]`` prints the table of such files and trains
+nothing, so that seeds run in several sittings make one table (files of one
+recipe only: the lines do not record ``--warmup_epochs`` and the like).
 
 Runs are sequential. On 2 loaded CPU cores one run of the default job takes
 tens of minutes; ``--num_train_steps`` (> 0) stops each run early (the
@@ -61,6 +66,7 @@ from jaxmp import models  # noqa: E402
 # that size alone moves the result; a policy's gap inside it is not a defect
 # of half-precision arithmetic.
 ROUNDED_START = "O0-f16start"
+DEFAULT_POLICIES, DEFAULT_SEEDS = "O0,O1,O2,bf16", "0,1,2"
 
 
 def job_config(args, policy: str, seed: int):
@@ -111,38 +117,89 @@ def spread(values):
 
 
 def table(rows, policies, seeds) -> tuple[str, float]:
-  """The markdown table of ``rows`` and the largest gap to the baseline."""
+  """The markdown table of ``rows`` and the largest gap to the baseline.
+
+  Every policy ran on the same seeds as the baseline (``policies[0]``), so
+  its gap is also the mean of its per-seed differences to the baseline:
+  the table gives that mean's standard error (the differences' sample
+  standard deviation over the square root of their count; empty for one
+  seed) and at how many seeds the policy is below the baseline.
+  """
+  base = policies[0]
   head = (
     "| policy | "
     + " | ".join(f"seed {s}" for s in seeds)
-    + " | mean | std | min..max | train loss | gap to "
-    + policies[0]
-    + " |"
+    + f" | mean | std | min..max | train loss | gap to {base} "
+    f"| its standard error | below {base} at |"
   )
-  lines = [head, "|" + "---|" * (len(seeds) + 6)]
+  lines = [head, "|" + "---|" * (len(seeds) + 8)]
+  accs = {
+    p: [rows[(p, s)]["test_accuracy"] * 100 for s in seeds] for p in policies
+  }
   means = {}
   for p in policies:
-    accs = [rows[(p, s)]["test_accuracy"] * 100 for s in seeds]
     losses = [rows[(p, s)]["train_loss"] for s in seeds]
-    mean, std, lo, hi = spread(accs)
+    mean, std, lo, hi = spread(accs[p])
     means[p] = mean
-    gap = mean - means[policies[0]]
+    diffs = [a - b for a, b in zip(accs[p], accs[base])]
+    if p == base:
+      se, below = "", ""
+    else:
+      se = (
+        f"{statistics.stdev(diffs) / len(diffs) ** 0.5:.2f}"
+        if len(diffs) > 1
+        else ""
+      )
+      below = f"{sum(d < 0 for d in diffs)} of {len(diffs)}"
     lines.append(
       f"| {p} | "
-      + " | ".join(f"{a:.2f}" for a in accs)
+      + " | ".join(f"{a:.2f}" for a in accs[p])
       + f" | {mean:.2f} | {std:.2f} | {lo:.2f}..{hi:.2f} | "
-      f"{statistics.fmean(losses):.4f} | {gap:+.2f} |"
+      f"{statistics.fmean(losses):.4f} | {mean - means[base]:+.2f} | {se} "
+      f"| {below} |"
     )
-  max_gap = max(means[policies[0]] - m for m in means.values())
+  max_gap = max(means[base] - m for m in means.values())
   return "\n".join(lines), max_gap
+
+
+def read_runs(paths) -> dict:
+  """``{(policy, seed): summary}`` from ``--out`` files (JSON lines).
+
+  A later line for the same policy and seed replaces an earlier one.
+  """
+  rows = {}
+  for path in paths:
+    with open(path) as f:
+      for line in f:
+        if line.strip():
+          record = json.loads(line)
+          rows[(record["policy"], int(record["seed"]))] = record
+  return rows
+
+
+def tabulate(rows, policies=None, seeds=None) -> tuple[str, float, list]:
+  """`table` of the seeds that every policy ran; ``(text, gap, left out)``.
+
+  ``policies`` defaults to those in ``rows``, ``O0`` first when present;
+  ``seeds`` to every seed in ``rows``. A seed that some policy lacks is
+  left out (the gaps are paired by seed) and returned.
+  """
+  if not policies:
+    policies = sorted({p for p, _ in rows}, key=lambda p: (p != "O0", p))
+  wanted = sorted({s for _, s in rows}) if seeds is None else list(seeds)
+  common = [s for s in wanted if all((p, s) in rows for p in policies)]
+  if not common:
+    raise ValueError(f"no seed has a run of every policy in {policies}")
+  text, gap = table(rows, policies, common)
+  return text, gap, [s for s in wanted if s not in common]
 
 
 def main(argv=None) -> int:
   """Trains every policy x seed and prints the table."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--data_dir", required=True, help="train/ and test/")
-  parser.add_argument("--policies", default="O0,O1,O2,bf16")
-  parser.add_argument("--seeds", default="0,1,2")
+  parser.add_argument("--data_dir", default="", help="train/ and test/")
+  parser.add_argument("--policies", default="", help=DEFAULT_POLICIES)
+  parser.add_argument("--seeds", default="", help=DEFAULT_SEEDS)
   parser.add_argument("--num_filters", type=int, default=16)
   parser.add_argument("--num_epochs", type=int, default=1)
   parser.add_argument("--batch_size", type=int, default=128)
@@ -155,9 +212,29 @@ def main(argv=None) -> int:
   )
   parser.add_argument("--workdir", default="", help="default: a temp dir")
   parser.add_argument("--out", default="", help="JSON lines of summaries")
+  parser.add_argument(
+    "--tabulate",
+    default="",
+    help="comma-separated --out files of one recipe: print their table, "
+    "train nothing",
+  )
   args = parser.parse_args(argv)
-  policies = [p for p in args.policies.split(",") if p]
-  seeds = [int(s) for s in args.seeds.split(",") if s]
+  if args.tabulate:
+    text, max_gap, left_out = tabulate(
+      read_runs(args.tabulate.split(",")),
+      [p for p in (args.policies or "").split(",") if p],
+      [int(s) for s in args.seeds.split(",") if s] if args.seeds else None,
+    )
+    if left_out:
+      print(f"seeds left out (a policy has no run): {left_out}")
+    print(text)
+    print(f"max_gap_pp: {max_gap:.2f}")
+    return 0
+  policies = [p for p in (args.policies or DEFAULT_POLICIES).split(",") if p]
+  seeds = [int(s) for s in (args.seeds or DEFAULT_SEEDS).split(",") if s]
+  if not args.data_dir:
+    print("error: give --data_dir (or --tabulate)", file=sys.stderr)
+    return 2
   if not os.path.isdir(os.path.join(args.data_dir, "train")):
     print(f"error: {args.data_dir!r} has no train/ folder", file=sys.stderr)
     return 2

@@ -1,4 +1,4 @@
-"""bench/fidelity.py: the table's means, spreads and gaps to the baseline."""
+"""bench/fidelity.py: the table's means, spreads and gaps, its --out files."""
 
 import importlib.util
 import os
@@ -46,7 +46,28 @@ def test_table_means_spreads_and_gaps():
   assert cells[6] == "47.00..49.00"
   assert float(cells[7]) == pytest.approx(1.48, abs=5e-5)  # mean train loss
   assert cells[8] == "-4.00"  # O2's mean below O0's
+  # Paired by seed: differences -3, -5, -4; their std 1, over sqrt(3).
+  assert float(cells[9]) == pytest.approx(1 / 3**0.5, abs=0.005)
+  assert cells[10] == "3 of 3"
   assert max_gap == pytest.approx(4.0, abs=1e-9)
+  o0 = next(line for line in text.splitlines() if line.startswith("| O0 "))
+  assert [c.strip() for c in o0.strip("|").split("|")][8:] == ["+0.00", "", ""]
+
+
+def test_table_standard_error_is_of_the_paired_differences():
+  """Seeds that move both policies alike leave the paired error small."""
+  fidelity = _fidelity()
+  accs = {
+    "O0": {0: 0.40, 1: 0.60, 2: 0.50, 3: 0.70},
+    "O1": {0: 0.41, 1: 0.59, 2: 0.52, 3: 0.70},
+  }
+  text, _ = fidelity.table(_rows(accs), ["O0", "O1"], [0, 1, 2, 3])
+  o1 = next(line for line in text.splitlines() if line.startswith("| O1 "))
+  cells = [c.strip() for c in o1.strip("|").split("|")]
+  diffs = [1.0, -1.0, 2.0, 0.0]
+  want = statistics.stdev(diffs) / 2  # Over sqrt(4) seeds; unpaired: about 9.
+  assert float(cells[10]) == pytest.approx(want, abs=0.005)
+  assert cells[11] == "1 of 4"  # 0.00 is not below
 
 
 def test_table_baseline_is_the_first_policy_and_a_better_policy_has_no_gap():
@@ -55,9 +76,37 @@ def test_table_baseline_is_the_first_policy_and_a_better_policy_has_no_gap():
   text, max_gap = fidelity.table(_rows(accs), ["O0", "O2"], [0])
   assert "gap to O0" in text.splitlines()[0]
   o2 = next(line for line in text.splitlines() if line.startswith("| O2 "))
-  assert o2.rstrip().endswith("| +5.00 |")
-  assert "| 0.00 |" in o2  # one seed: no spread
+  cells = [c.strip() for c in o2.strip("|").split("|")]
+  assert cells[6:] == ["+5.00", "", "0 of 1"]  # one seed: no error
+  assert cells[3] == "0.00"  # one seed: no spread
   assert max_gap == pytest.approx(0.0, abs=1e-9)
+
+
+def test_tabulate_reads_out_files_and_pairs_the_common_seeds(tmp_path, capsys):
+  """``--tabulate``: several files, a rerun replaces, a lone seed is left out."""
+  fidelity = _fidelity()
+  lines = {
+    "a.jsonl": [("O2", 0, 0.47), ("O0", 0, 0.50), ("O0", 1, 0.99)],
+    "b.jsonl": [("O0", 1, 0.54), ("O2", 1, 0.49), ("O0", 2, 0.52)],
+  }
+  for name, runs in lines.items():
+    (tmp_path / name).write_text(
+      "".join(
+        f'{{"policy": "{p}", "seed": {s}, "test_accuracy": {a}, '
+        f'"train_loss": 1.0}}\n'
+        for p, s, a in runs
+      )
+    )
+  files = ",".join(str(tmp_path / n) for n in lines)
+  assert fidelity.main([f"--tabulate={files}"]) == 0
+  out = capsys.readouterr().out
+  assert "seeds left out (a policy has no run): [2]" in out
+  assert out.splitlines()[1].startswith("| policy | seed 0 | seed 1 | mean")
+  o0 = next(line for line in out.splitlines() if line.startswith("| O0 "))
+  assert o0.startswith("| O0 | 50.00 | 54.00 | 52.00 |")  # 0.99 replaced
+  assert out.rstrip().endswith("max_gap_pp: 4.00")
+  with pytest.raises(ValueError, match="no seed has a run of every policy"):
+    fidelity.tabulate(fidelity.read_runs([tmp_path / "a.jsonl"]), ["O1"])
 
 
 def test_start_file_exact_is_the_plain_run_rounded_is_fp16_of_it(
