@@ -195,11 +195,19 @@ def tabulate(rows, policies=None, seeds=None) -> tuple[str, float, list]:
 
 
 def main(argv=None) -> int:
-  """Trains every policy x seed and prints the table."""
+  """Trains each policy x seed and prints the table; --tabulate: no training."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--data_dir", default="", help="train/ and test/")
-  parser.add_argument("--policies", default="", help=DEFAULT_POLICIES)
-  parser.add_argument("--seeds", default="", help=DEFAULT_SEEDS)
+  parser.add_argument(
+    "--policies",
+    default="",
+    help=f"default {DEFAULT_POLICIES}; with --tabulate, those in the files",
+  )
+  parser.add_argument(
+    "--seeds",
+    default="",
+    help=f"default {DEFAULT_SEEDS}; with --tabulate, those in the files",
+  )
   parser.add_argument("--num_filters", type=int, default=16)
   parser.add_argument("--num_epochs", type=int, default=1)
   parser.add_argument("--batch_size", type=int, default=128)
