@@ -33,8 +33,19 @@ baseline. The last line is ``max_gap_pp: X`` (the largest shortfall of a
 policy's mean against the baseline's, in percentage points; goal: <= 1).
 ``--out=FILE`` also writes every run's summary as JSON lines (appended);
 ``--tabulate=FILE[,FILE...]`` prints the table of such files and trains
-nothing, so that seeds run in several sittings make one table (files of one
-recipe only: the lines do not record ``--warmup_epochs`` and the like).
+nothing, so that seeds run in several sittings make one table. Each line
+records its job (``"job"``: the recipe, and the config's values of the
+flags that change it) and ``--tabulate`` refuses files of different jobs; a
+line without one (written before lines recorded it) counts as the default
+recipe with no flag given.
+
+``--recipe=seed`` trains the seed's job instead, on the same folder:
+``configs/seed.py`` as it is (the torchvision ResNet18 with 64 filters, O1
+in the config, SGD 0.1 at a constant rate, batch 128, 10 epochs, no
+augmentation, mean and std 0.5), each policy in place of the config's;
+``--num_filters``, ``--num_epochs`` and ``--batch_size`` change it only when
+given. That is a job for an accelerator: ``python bench/fidelity.py
+--recipe=seed --data_dir=DIR --policies=O0,O1``.
 
 Runs are sequential. On 2 loaded CPU cores one run of the default job takes
 tens of minutes; ``--num_train_steps`` (> 0) stops each run early (the
@@ -57,6 +68,7 @@ import numpy as np  # noqa: E402
 from cifar_train import loop  # noqa: E402
 from cifar_train import settings  # noqa: E402
 from configs import default  # noqa: E402
+from configs import seed as seed_config  # noqa: E402
 from jaxmp import models  # noqa: E402
 
 # A control, not a policy: O0 (fp32 throughout) started from the seed's initial
@@ -67,17 +79,47 @@ from jaxmp import models  # noqa: E402
 # of half-precision arithmetic.
 ROUNDED_START = "O0-f16start"
 DEFAULT_POLICIES, DEFAULT_SEEDS = "O0,O1,O2,bf16", "0,1,2"
+# The jobs: a config, and what the bench sets in it unless a flag says else.
+RECIPES = {
+  "default": (
+    default,
+    {"num_filters": 16, "num_epochs": 1, "batch_size": 128},
+  ),
+  "seed": (seed_config, {}),
+}
+# What an ``--out`` line records of its job, besides the recipe: the
+# config's values of the bench's flags.
+JOB_FIELDS = (
+  "num_filters",
+  "num_epochs",
+  "batch_size",
+  "num_train_steps",
+  "warmup_epochs",
+)
+# The job of a line without one: the default recipe, no flag given.
+LEGACY_JOB = {
+  "recipe": "default",
+  "num_filters": 16,
+  "num_epochs": 1,
+  "batch_size": 128,
+  "num_train_steps": -1,
+  "warmup_epochs": 0.0,
+}
 
 
 def job_config(args, policy: str, seed: int):
-  """The config of one run: configs/default.py with the bench's overrides."""
-  config = default.get_config()
+  """The config of one run: the recipe's config with the bench's overrides."""
+  module, fixed = RECIPES[args.recipe]
+  config = module.get_config()
   config.dataset = "image_folder"
   config.data_dir = args.data_dir
-  config.num_filters = args.num_filters
-  config.num_epochs = args.num_epochs
-  config.batch_size = args.batch_size
-  config.lr_schedule = "cosine"
+  for name, value in fixed.items():
+    setattr(config, name, value)
+  for name in ("num_filters", "num_epochs", "batch_size"):
+    if getattr(args, name) is not None:
+      setattr(config, name, getattr(args, name))
+  if args.recipe == "default":
+    config.lr_schedule = "cosine"
   if args.warmup_epochs >= 0:
     config.warmup_epochs = args.warmup_epochs
   config.num_train_steps = args.num_train_steps
@@ -162,17 +204,32 @@ def table(rows, policies, seeds) -> tuple[str, float]:
   return "\n".join(lines), max_gap
 
 
+def job_of(config, recipe: str) -> dict:
+  """What an ``--out`` line records of a run's job (`JOB_FIELDS`)."""
+  return {"recipe": recipe, **{name: config[name] for name in JOB_FIELDS}}
+
+
 def read_runs(paths) -> dict:
   """``{(policy, seed): summary}`` from ``--out`` files (JSON lines).
 
   A later line for the same policy and seed replaces an earlier one.
+
+  Raises:
+    ValueError: lines of different jobs (recipe, flags).
   """
-  rows = {}
+  rows, first = {}, None
   for path in paths:
     with open(path) as f:
-      for line in f:
+      for number, line in enumerate(f, 1):
         if line.strip():
           record = json.loads(line)
+          job = record.get("job", LEGACY_JOB)
+          first = first or (job, f"{path}:{number}")
+          if job != first[0]:
+            raise ValueError(
+              f"{path}:{number} is a run of {job}, {first[1]} of "
+              f"{first[0]}: tabulate files of one job"
+            )
           rows[(record["policy"], int(record["seed"]))] = record
   return rows
 
@@ -194,8 +251,8 @@ def tabulate(rows, policies=None, seeds=None) -> tuple[str, float, list]:
   return text, gap, [s for s in wanted if s not in common]
 
 
-def main(argv=None) -> int:
-  """Trains each policy x seed and prints the table; --tabulate: no training."""
+def make_parser() -> argparse.ArgumentParser:
+  """The command line of `main`."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--data_dir", default="", help="train/ and test/")
   parser.add_argument(
@@ -208,25 +265,45 @@ def main(argv=None) -> int:
     default="",
     help=f"default {DEFAULT_SEEDS}; with --tabulate, those in the files",
   )
-  parser.add_argument("--num_filters", type=int, default=16)
-  parser.add_argument("--num_epochs", type=int, default=1)
-  parser.add_argument("--batch_size", type=int, default=128)
+  parser.add_argument(
+    "--recipe",
+    choices=sorted(RECIPES),
+    default="default",
+    help="default: configs/default.py's job, 16 filters, 1 epoch; "
+    "seed: configs/seed.py's as it is",
+  )
+  for name, size in (
+    ("num_filters", 16),
+    ("num_epochs", 1),
+    ("batch_size", 128),
+  ):
+    parser.add_argument(
+      f"--{name}",
+      type=int,
+      default=None,
+      help=f"default recipe: {size}; seed recipe: the config's",
+    )
   parser.add_argument("--num_train_steps", type=int, default=-1)
   parser.add_argument(
     "--warmup_epochs",
     type=float,
     default=-1.0,
-    help="linear warm-up (epochs); default: configs/default.py's",
+    help="linear warm-up (epochs); default: the recipe's config's",
   )
   parser.add_argument("--workdir", default="", help="default: a temp dir")
   parser.add_argument("--out", default="", help="JSON lines of summaries")
   parser.add_argument(
     "--tabulate",
     default="",
-    help="comma-separated --out files of one recipe: print their table, "
+    help="comma-separated --out files of one job: print their table, "
     "train nothing",
   )
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv=None) -> int:
+  """Trains each policy x seed and prints the table; --tabulate: no training."""
+  args = make_parser().parse_args(argv)
   if args.tabulate:
     text, max_gap, left_out = tabulate(
       read_runs(args.tabulate.split(",")),
@@ -271,7 +348,7 @@ def main(argv=None) -> int:
       )
       if args.out:
         with open(args.out, "a") as f:
-          record = {"policy": p, "seed": s}
+          record = {"policy": p, "seed": s, "job": job_of(config, args.recipe)}
           record.update({k: v for k, v in summary.items() if k != "config"})
           f.write(json.dumps(record) + "\n")
   text, max_gap = table(rows, policies, seeds)

@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu.sh                    # one GPU, under 8 minutes
 #   bash bench/gpu.sh --data_dir DIR     # the seed job on an image folder
+#   bash bench/gpu.sh --data_dir bench/gpu_wheels/images.tar.xz  # packed
 #   bash bench/gpu.sh --smoke            # tiny sizes, on a CPU
 #
 # Step rows of both ResNet18s (jaxmp O1/O2/O0 TF32/bf16 against torch AMP

@@ -320,7 +320,9 @@ def main():
   )
   parser.add_argument("--budget_s", type=float, default=0.0)
   parser.add_argument("--windows", type=int, default=7)
-  parser.add_argument("--data_dir", default="", help="an image folder")
+  parser.add_argument(
+    "--data_dir", default="", help="an image folder, or its .tar.xz (seed_job)"
+  )
   parser.add_argument("--epochs", type=int, default=0, help="seed job epochs")
   parser.add_argument("--json", default="gpu_bench.json")
   args = parser.parse_args()

@@ -3,6 +3,12 @@
 #
 #   bash bench/gpu_wheels.sh          # where pip reaches PyPI; then copy the
 #                                     # repository (with bench/gpu_wheels/)
+#   bash bench/gpu_wheels.sh DIR      # also DIR's train/ and test/ (an image
+#                                     # folder) as bench/gpu_wheels/images.tar.xz
+#
+# Then, on the GPU machine: bash bench/gpu.sh --data_dir
+# bench/gpu_wheels/images.tar.xz (bench/seed_job.py unpacks it once into
+# bench/.gpu_data/).
 #
 # The GPU image has Python 3.12, jax with CUDA, flax, optax, orbax, torch and
 # torchvision, but not tensorflow-datasets (nor array-record, its ArrayRecord
@@ -41,4 +47,8 @@ WHEELS=(
   --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   -d "$OUT" "${WHEELS[@]}"
 "$PY" -m pip wheel --no-deps -w "$OUT" "promise==2.3"
-ls -1 "$OUT"
+if [ $# -gt 0 ]; then
+  "$PY" -c 'import sys; sys.path.insert(0, "bench"); import seed_job
+seed_job.pack(sys.argv[1], sys.argv[2])' "$1" "$OUT/images.tar.xz"
+fi
+ls -1sh "$OUT"

