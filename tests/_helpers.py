@@ -32,7 +32,8 @@ Run a job through ``cli.run`` (the command line's error handling) with
 net of `one_block_models` instead of ResNet18.
 
 `run_distributed` starts the processes of a multi-process (`jax.distributed`)
-run on localhost instead, see `distributed_main`.
+run on localhost instead, see `distributed_main`. `bench_module` imports a
+script of ``bench/`` for the tests of the benchmarks.
 """
 
 import errno
@@ -648,6 +649,21 @@ def place_archive(data_dir, name, n_train=10, n_test=4):
 def no_probe(*args, **kwargs):
   """A stand-in for the network probe that fails if it is called."""
   raise AssertionError("the network was probed")
+
+
+def bench_module(name: str):
+  """``bench/<name>.py`` as a module (``bench/`` is not a package)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+
+  path = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "bench",
+    f"{name}.py",
+  )
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 if __name__ == "__main__":

@@ -1,25 +1,17 @@
 """bench/fidelity.py: the table's means, spreads and gaps, its --out files."""
 
-import importlib.util
 import json
-import os
 import statistics
 
 import numpy as np
 import pytest
 
+from _helpers import bench_module
 from cifar_train import loop
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _fidelity():
-  spec = importlib.util.spec_from_file_location(
-    "fidelity", os.path.join(ROOT, "bench", "fidelity.py")
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return bench_module("fidelity")
 
 
 def _rows(accs):

@@ -1,21 +1,15 @@
 """bench/seed_job.py: an image folder packed into one archive and unpacked."""
 
-import importlib.util
 import os
 import tarfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _helpers import bench_module
 
 
 def _seed_job():
-  spec = importlib.util.spec_from_file_location(
-    "seed_job", os.path.join(ROOT, "bench", "seed_job.py")
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return bench_module("seed_job")
 
 
 def _tree(root):
@@ -84,11 +78,7 @@ def test_torch_script_reads_an_image_folder_without_torchvision(
   import numpy as np
   import PIL.Image
 
-  spec = importlib.util.spec_from_file_location(
-    "seed_torch", os.path.join(ROOT, "bench", "seed_torch.py")
-  )
-  seed_torch = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(seed_torch)
+  seed_torch = bench_module("seed_torch")
   rng = np.random.default_rng(0)
   expected = {}
   for name in ("zebra", "ant", "cat"):  # Label order: ant 0, cat 1, zebra 2.
