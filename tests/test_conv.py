@@ -1,6 +1,7 @@
 """Tests for jaxmp.nn.conv_general_dilated (per-shape CPU lowerings)."""
 
 import functools
+import re
 
 from absl.testing import parameterized
 import jax
@@ -138,6 +139,44 @@ def test_cpu_rewrites_stay_off_other_platforms():
   for size, kernel in ((2, 3), (8, 3), (8, 1)):
     hlo = _conv_hlo(size, "cuda", kernel)
     assert hlo.count("stablehlo.convolution") == 3
+
+
+@pytest.mark.parametrize("k, s", [(3, 1), (3, 2), (7, 2), (1, 2)])
+def test_gradients_in_a_loop_body_are_convolutions_xla_cpu_runs_fast(k, s):
+  """In a ``fori_loop`` body every convolution has XLA:CPU's fast layout.
+
+  XLA:CPU runs a convolution on its fast (Eigen) kernel only in the layout
+  ``b01f_01io->b01f``. It rewrites ``lax``'s gradients into it in a
+  program's entry computation, but not inside a ``while`` body (k steps per
+  call, ``lax.scan``), where they ran 10-80x slower; jaxmp writes them in
+  that layout itself.
+  """
+  # Maps larger than the kernel (XLA swaps a convolution's operands where
+  # the kernel is the larger, into another layout, loop or not).
+  x = jnp.ones((2, 16, 16, 3), f32)
+  w = jnp.ones((k, k, 3, 5), f32)
+  pad = ((k // 2, k // 2),) * 2
+
+  def step(i, xw):
+    loss = lambda x, w: jnp.sum(
+      jnp.sin(
+        conv.conv_general_dilated(
+          x, w, (s, s), pad, dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+      )
+    )
+    return jax.tree.map(
+      lambda v, g: v - 0.1 * g, xw, jax.grad(loss, (0, 1))(*xw)
+    )
+
+  looped = jax.jit(lambda xw: jax.lax.fori_loop(0, 2, step, xw))
+  compiled = (
+    looped.lower((x, w)).compile(jaxmp.cpu_compiler_options()).as_text()
+  )
+  labels = re.findall(r"convolution\(.*?dim_labels=([\w>-]+)", compiled)
+  # The forward and the input gradient; 1x1's kernel gradient is a product.
+  assert len(labels) == (2 if k == 1 else 3), compiled
+  assert set(labels) == {"b01f_01io->b01f"}, labels
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,15 @@ the table is in its docstring):
   on 32x32 images): XLA:CPU's convolutions are 10-40x slower than a matrix
   product there, so the whole convolution, forward and gradients, is one
   im2col product (`conv_by_im2col`).
+* **Gradients inside loops.** XLA:CPU runs a convolution on its fast
+  (Eigen) kernel only in one layout, ``b01f_01io->b01f``. It rewrites
+  ``lax``'s input and kernel gradients into that layout in a program's entry
+  computation, but not inside a ``while`` body (``lax.fori_loop``,
+  ``lax.scan``: several train steps per jitted call), where they run on a
+  generic loop nest, many times slower (``bench/steps_per_call.py``). On
+  CPU the gradients here are written in that layout (`input_grad_as_conv`,
+  `kernel_grad_as_conv`): the same arithmetic as ``lax``'s (bitwise the
+  same outside loops), fast in loops too.
 
 `conv_general_dilated` is ``lax.conv_general_dilated`` (pass it to
 ``flax.linen.Conv(conv_general_dilated=...)``) with those choices on CPU; on
@@ -68,10 +77,16 @@ def conv_general_dilated(
   * 1x1 kernels: XLA's forward and input gradient, the kernel gradient as
     one matrix product (2-4x faster than XLA's);
   * at most 4 output pixels: the whole convolution as one im2col matrix
-    product (XLA:CPU's convolutions are 10-40x slower there).
+    product (XLA:CPU's convolutions are 10-40x slower there);
+  * in the first two cases, XLA's convolutions for the gradients are
+    written in the one layout that XLA:CPU also runs fast inside a loop
+    body (``lax.fori_loop``, ``lax.scan``), where it leaves ``lax``'s own
+    gradients in a layout it runs many times slower.
 
   Elsewhere, and on other platforms, it is ``lax``'s, gradients included.
-  The timings are in ``bench/cpu_ops.py``.
+  The covered convolutions have custom VJPs: reverse mode (``jax.grad``,
+  ``jax.vjp``) only, not forward mode (``jax.jvp``). The timings are in
+  ``bench/cpu_ops.py`` and ``bench/steps_per_call.py``.
   """
   covered = (
     lhs.ndim == 4
@@ -108,9 +123,7 @@ def conv_general_dilated(
       ),
       default=lambda x, w: _lax_conv(x, w, strides, padding, precision),
     )
-  if rhs.shape[0] * rhs.shape[1] == 1:
-    return _conv(lhs, rhs, strides, padding, precision)
-  return _lax_conv(lhs, rhs, strides, padding, precision)
+  return _conv(lhs, rhs, strides, padding, precision)
 
 
 def _output_pixels(lhs_shape, rhs_shape, strides, padding) -> int:
@@ -207,23 +220,114 @@ def _conv_fwd(lhs, rhs, strides, padding, precision):
 
 def _conv_bwd(strides, padding, precision, residuals, dy):
   lhs, rhs = residuals
-  _, lhs_vjp = jax.vjp(
-    lambda x: _lax_conv(x, rhs, strides, padding, precision), lhs
-  )
-  (dx,) = lhs_vjp(dy)
 
-  def lax_kernel_grad():
-    _, rhs_vjp = jax.vjp(
-      lambda w: _lax_conv(lhs, w, strides, padding, precision), rhs
+  def lax_grads():
+    _, vjp = jax.vjp(
+      lambda x, w: _lax_conv(x, w, strides, padding, precision), lhs, rhs
     )
-    return rhs_vjp(dy)[0]
+    return vjp(dy)
 
-  def taps_kernel_grad():
-    grad = kernel_grad_by_taps(lhs, dy, rhs.shape, strides, padding, precision)
-    return grad.astype(rhs.dtype)
+  def cpu_grads():
+    dx = input_grad_as_conv(dy, rhs, lhs.shape, strides, padding, precision)
+    if rhs.shape[0] * rhs.shape[1] == 1:
+      dw = kernel_grad_by_taps(lhs, dy, rhs.shape, strides, padding, precision)
+    else:
+      dw = kernel_grad_as_conv(lhs, dy, rhs.shape, strides, padding, precision)
+    return dx, dw.astype(rhs.dtype)
 
-  dw = lax.platform_dependent(cpu=taps_kernel_grad, default=lax_kernel_grad)
-  return dx, dw
+  return lax.platform_dependent(cpu=cpu_grads, default=lax_grads)
+
+
+def input_grad_as_conv(
+  dy: jax.Array,
+  rhs: jax.Array,
+  lhs_shape: Sequence[int],
+  strides: Sequence[int],
+  padding: Sequence[tuple[int, int]],
+  precision: Optional[lax.Precision] = None,
+) -> jax.Array:
+  """The input gradient of an NHWC/HWIO convolution, as one NHWC/HWIO conv.
+
+  The convolution of ``dy`` (dilated by the strides) with the kernel
+  flipped in space and its features swapped: the arithmetic of ``lax``'s
+  transpose rule, written in the one layout that XLA:CPU hands to its fast
+  convolution wherever the convolution is (see `kernel_grad_as_conv`).
+
+  Args:
+    dy: the gradient of the output, ``[n, ho, wo, o]``.
+    rhs: the kernel, ``[kh, kw, c, o]``.
+    lhs_shape: ``(n, h, w, c)``, the input's shape.
+    strides: the window strides.
+    padding: ``((lo, hi), (lo, hi))``, explicit.
+    precision: passed to the convolution.
+
+  Returns:
+    ``[n, h, w, c]`` in ``dy``'s dtype.
+  """
+  kh, kw = rhs.shape[:2]
+  pads = []
+  for (lo, _), size, k, out, s in zip(
+    padding, lhs_shape[1:3], (kh, kw), dy.shape[1:3], strides
+  ):
+    # Output size: (out - 1) * s + 1 + lo' + hi' - k + 1 = size.
+    pads.append((k - 1 - lo, size - (out - 1) * s - 1 + lo))
+  flipped = jnp.transpose(rhs[::-1, ::-1], (0, 1, 3, 2))
+  return lax.conv_general_dilated(
+    dy,
+    flipped,
+    (1, 1),
+    pads,
+    lhs_dilation=tuple(strides),
+    dimension_numbers=_NHWC,
+    precision=precision,
+  )
+
+
+def kernel_grad_as_conv(
+  lhs: jax.Array,
+  dy: jax.Array,
+  kernel_shape: Sequence[int],
+  strides: Sequence[int],
+  padding: Sequence[tuple[int, int]],
+  precision: Optional[lax.Precision] = None,
+) -> jax.Array:
+  """The kernel gradient of an NHWC/HWIO convolution, as one NHWC/HWIO conv.
+
+  The input's features become the batch and its batch the features
+  (``[c, h, w, n]``), the output gradient the kernel (``[ho, wo, n, o]``,
+  dilated by the strides): the arithmetic of ``lax``'s transpose rule, in
+  the layout that XLA:CPU runs as its fast (Eigen) convolution. XLA:CPU
+  rewrites ``lax``'s own layout into this one only outside loops: inside a
+  ``while`` body (``lax.fori_loop``, ``lax.scan``) it runs the gradients
+  in ``lax``'s layout on a generic loop nest, many times slower.
+
+  Args:
+    lhs: the convolution's input, ``[n, h, w, c]``.
+    dy: the gradient of its output, ``[n, ho, wo, o]``.
+    kernel_shape: ``(kh, kw, c, o)``.
+    strides: the window strides.
+    padding: ``((lo, hi), (lo, hi))``, explicit.
+    precision: passed to the convolution.
+
+  Returns:
+    ``[kh, kw, c, o]`` in the operands' dtype.
+  """
+  pads = []
+  for (lo, _), size, k, out, s in zip(
+    padding, lhs.shape[1:3], kernel_shape[:2], dy.shape[1:3], strides
+  ):
+    # Output size: size + lo + hi' - ((out - 1) * s + 1) + 1 = k.
+    pads.append((lo, k + (out - 1) * s - size - lo))
+  out = lax.conv_general_dilated(
+    jnp.transpose(lhs, (3, 1, 2, 0)),
+    jnp.transpose(dy, (1, 2, 0, 3)),
+    (1, 1),
+    pads,
+    rhs_dilation=tuple(strides),
+    dimension_numbers=_NHWC,
+    precision=precision,
+  )
+  return jnp.transpose(out, (1, 2, 0, 3))
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)

@@ -6,7 +6,8 @@ Needs flax: ``pip install 'jaxmp[flax]'``.
   its half-precision input.
 * `conv_general_dilated`: ``lax.conv_general_dilated`` with faster CPU
   lowerings chosen per shape (im2col products on maps of a few pixels,
-  matrix-product kernel gradients for 1x1 kernels); drop it into
+  matrix-product kernel gradients for 1x1 kernels, gradients that stay fast
+  inside ``lax.fori_loop`` and ``lax.scan``); drop it into
   ``flax.linen.Conv(conv_general_dilated=...)``.
 * `max_pool`: ``flax.linen.max_pool`` whose CPU gradient is elementwise work
   instead of XLA's select-and-scatter.
