@@ -51,15 +51,19 @@ def random_data(examples: int, seed_: int = 0) -> data_sources.Dataset:
   )
 
 
-def job_config(args, k: int):
-  """configs/seed.py with ``steps_per_call=k`` and the bench's sizes."""
+def job_config(args, k: int, cache_dir: str):
+  """configs/seed.py with ``steps_per_call=k`` and the bench's sizes.
+
+  The runs share ``cache_dir``, a fresh compile cache: a k's later rounds
+  load its programs instead of compiling them again.
+  """
   config = seed.get_config()
   config.steps_per_call = k
   config.num_epochs = args.epochs
   config.num_filters = args.filters
   config.batch_size = args.batch
   config.progress_bar = False
-  config.compile_cache_dir = ""
+  config.compile_cache_dir = cache_dir
   config.checkpoint_every_steps = 0
   return config
 
@@ -107,7 +111,8 @@ def main(argv=None) -> int:
     for k in ks:
       workdir = os.path.join(root, f"k{k}-round{r}")
       start = time.perf_counter()
-      loop.train_and_evaluate(job_config(args, k), workdir, data=data)
+      config = job_config(args, k, os.path.join(root, "jit"))
+      loop.train_and_evaluate(config, workdir, data=data)
       rates[k].append(steady_rate(workdir))
       print(
         f"  k={k} round {r}: {rates[k][-1]:.0f} img/s "
