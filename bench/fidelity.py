@@ -83,7 +83,12 @@ DEFAULT_POLICIES, DEFAULT_SEEDS = "O0,O1,O2,bf16", "0,1,2"
 RECIPES = {
   "default": (
     default,
-    {"num_filters": 16, "num_epochs": 1, "batch_size": 128},
+    {
+      "num_filters": 16,
+      "num_epochs": 1,
+      "batch_size": 128,
+      "lr_schedule": "cosine",
+    },
   ),
   "seed": (seed_config, {}),
 }
@@ -118,8 +123,6 @@ def job_config(args, policy: str, seed: int):
   for name in ("num_filters", "num_epochs", "batch_size"):
     if getattr(args, name) is not None:
       setattr(config, name, getattr(args, name))
-  if args.recipe == "default":
-    config.lr_schedule = "cosine"
   if args.warmup_epochs >= 0:
     config.warmup_epochs = args.warmup_epochs
   config.num_train_steps = args.num_train_steps

@@ -22,6 +22,7 @@ to k = 1 (the last line: ``best_k: K (RATIO x k=1)``).
 """
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -70,8 +71,6 @@ def job_config(args, k: int, cache_dir: str):
 
 def steady_rate(workdir: str) -> float:
   """The median img/s of the epochs after the first (``metrics.jsonl``)."""
-  import json  # pylint: disable=g-import-not-at-top
-
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rates = [json.loads(line)["images_per_sec"] for line in f if line.strip()]
   return statistics.median(rates[1:] or rates)

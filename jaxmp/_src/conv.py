@@ -264,10 +264,9 @@ def input_grad_as_conv(
   Returns:
     ``[n, h, w, c]`` in ``dy``'s dtype.
   """
-  kh, kw = rhs.shape[:2]
   pads = []
   for (lo, _), size, k, out, s in zip(
-    padding, lhs_shape[1:3], (kh, kw), dy.shape[1:3], strides
+    padding, lhs_shape[1:3], rhs.shape[:2], dy.shape[1:3], strides
   ):
     # Output size: (out - 1) * s + 1 + lo' + hi' - k + 1 = size.
     pads.append((k - 1 - lo, size - (out - 1) * s - 1 + lo))
