@@ -64,8 +64,8 @@ def _loop(one, args_of, steps_per_call):
   whatever its call's size, runs that same code. (A loop of a static length
   compiles its body apart from a lone step, with other fusions: the same
   steps, a few ULPs apart.) With k = 1 the program is the lone step, ``n``
-  (always 1) unused: XLA:CPU runs a while loop's body about 5x slower than
-  the same step alone (a one-block ResNet, 2 cores).
+  (always 1) unused: on a CPU, where "auto" picks k = 1, the loop costs more
+  than the dispatch it saves (``bench/steps_per_call.py``).
   """
 
   def train_steps(state, *args):

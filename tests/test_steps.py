@@ -40,6 +40,31 @@ def _batch():
   return images, jnp.asarray([0, 1, 2, 3])
 
 
+def test_init_never_raises_the_optimisation_level_of_xla_flags(monkeypatch):
+  """Level 1 on CPU, or the lower level ``XLA_FLAGS`` asks (its last wins)."""
+  level = lambda: steps.init_compiler_options()[
+    "xla_backend_optimization_level"
+  ]
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  assert level() == 1
+  for flags, want in (
+    ("--xla_backend_optimization_level=0", 0),
+    (
+      "--xla_force_host_platform_device_count=4 "
+      "--xla_backend_optimization_level=0 --foo=1",
+      0,
+    ),
+    ("--xla_backend_optimization_level=3", 1),
+    (
+      "--xla_backend_optimization_level=0 --xla_backend_optimization_level=2",
+      1,
+    ),
+    ("--xla_llvm_disable_expensive_passes=true", 1),
+  ):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert level() == want, flags
+
+
 def test_one_train_step_per_policy(make_config, data_dir):
   # 2**15 overflows the fp16 gradients of this tiny net on its first step,
   # which dynamic scaling would then handle by skipping; start lower here.
