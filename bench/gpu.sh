@@ -19,7 +19,18 @@
 # only when it does not import, and that folder goes on PYTHONPATH.
 set -u
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python}"
+# PYTHON, else the first of python and python3 that imports jax (where a
+# plain python3 holds jax and torch and python is another, or none).
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  PY=python3
+  for c in python python3; do
+    if "$c" -c "import jax" 2>/dev/null; then
+      PY=$c
+      break
+    fi
+  done
+fi
 SITE="$PWD/bench/.gpu_site"
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 

@@ -270,10 +270,16 @@ class TestInitialize:
       "scale": jnp.float32(2.0**15 if dynamic else 1.0),
       "skipped": jnp.int32(0),
     }
-    for t in range(len(x)):
-      hand = hand_step(hand, x[t], y[t])
-
-    got = run(opt, params)
+    # Both run eagerly, one operation at a time, as Apex's PyTorch does:
+    # every operation rounds its own result. Under jit, XLA may fuse a
+    # multiply and an add into one multiply-add (one rounding) in one program
+    # and not at the same place in the other: jax 0.11.2 does so here, in one
+    # element of one leaf after six steps. That is the compiler's choice, not
+    # a rule of the transform, so the rules are compared without it.
+    with jax.disable_jit():
+      for t in range(len(x)):
+        hand = hand_step(hand, x[t], y[t])
+      got = run(opt, params)
     state = jaxmp.find_state(got["o"])
     pairs = [
       (got["p"], hand["p"]),
