@@ -51,7 +51,9 @@ except ImportError:  # pragma: no cover
   _SymbolicZero = ()
 # pylint: enable=g-import-not-at-top
 
-ClosedJaxpr = _core.ClosedJaxpr
+# jax 0.11 made ClosedJaxpr an alias of Jaxpr (a Jaxpr carries its consts),
+# and jax 0.12 dropped the alias; ``Jaxpr(jaxpr, consts)`` still closes one.
+ClosedJaxpr = getattr(_core, "ClosedJaxpr", _core.Jaxpr)
 Eqn = Any  # jax._src.core.JaxprEqn
 Body = Callable[[Any, Sequence[Any]], list]  # (ClosedJaxpr, args) -> outs
 
