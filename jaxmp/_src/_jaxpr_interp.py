@@ -24,8 +24,13 @@ The surface:
   re-binding with swapped bodies where it does not (``jit``, custom rules);
 * :func:`describe` (primitive, user source line and name stack of an equation).
 
-Tested with jax 0.10.x; written to accept jax 0.11.x (parameters are read by
-name, unknown ones are passed through).
+Tested with jax 0.9.2 to 0.12.0.1 (parameters are read by name, unknown ones
+are passed through). Up to jax 0.10 a ``ClosedJaxpr`` wraps a ``Jaxpr`` and
+its consts; since jax 0.11 a ``Jaxpr`` carries its consts itself (0.11 kept
+``ClosedJaxpr`` as an alias, 0.12 dropped it). Only `closed` and `close` know
+which; the rest reads ``constvars``, ``invars``, ``eqns``, ``outvars``,
+``consts`` and ``debug_info``, which both expose (a ``ClosedJaxpr`` forwards
+them to its ``Jaxpr``), and never the ``.jaxpr`` of a closed one.
 """
 
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -51,9 +56,10 @@ except ImportError:  # pragma: no cover
   _SymbolicZero = ()
 # pylint: enable=g-import-not-at-top
 
-# jax 0.11 made ClosedJaxpr an alias of Jaxpr (a Jaxpr carries its consts),
-# and jax 0.12 dropped the alias; ``Jaxpr(jaxpr, consts)`` still closes one.
+# A closed jaxpr's class: ``ClosedJaxpr`` up to jax 0.10, ``Jaxpr`` since 0.11
+# (an alias in 0.11, gone in 0.12).
 ClosedJaxpr = getattr(_core, "ClosedJaxpr", _core.Jaxpr)
+_WRAPPED = ClosedJaxpr is not _core.Jaxpr  # jax <= 0.10: it wraps a Jaxpr.
 Eqn = Any  # jax._src.core.JaxprEqn
 Body = Callable[[Any, Sequence[Any]], list]  # (ClosedJaxpr, args) -> outs
 
@@ -79,7 +85,14 @@ def closed(jaxpr) -> ClosedJaxpr:
   """``jaxpr`` as a ``ClosedJaxpr`` (open ones, e.g. ``remat``'s, get no consts)."""
   if isinstance(jaxpr, ClosedJaxpr):
     return jaxpr
-  return ClosedJaxpr(jaxpr, ())
+  return close(jaxpr, ())
+
+
+def close(jaxpr, consts) -> ClosedJaxpr:
+  """The open ``jaxpr`` with ``consts`` as the values of its constvars."""
+  if _WRAPPED:
+    return ClosedJaxpr(jaxpr, consts)
+  return jaxpr.with_consts(consts)
 
 
 def in_avals(eqn: Eqn) -> list:
@@ -127,15 +140,14 @@ def evaluate(
   Returns:
     ``(outs, outweak)``.
   """
-  cj = closed(jaxpr)
-  j = cj.jaxpr
+  j = closed(jaxpr)
   env: dict = {}
   weak: dict = {}
   if weak_args is None:
     weak_args = [False] * len(args)
   if len(args) != len(j.invars):
     raise ValueError(f"jaxpr takes {len(j.invars)} inputs, got {len(args)}")
-  for v, x in zip(j.constvars, cj.consts):
+  for v, x in zip(j.constvars, j.consts):
     env[v], weak[v] = x, False
   for v, x, w in zip(j.invars, args, weak_args):
     env[v], weak[v] = x, bool(w)
@@ -228,7 +240,7 @@ def rule_name(eqn: Eqn) -> str:
   """
   if kind(eqn) not in ("custom_vjp", "custom_jvp"):
     return ""
-  info = getattr(closed(eqn.params["call_jaxpr"]).jaxpr, "debug_info", None)
+  info = getattr(eqn.params["call_jaxpr"], "debug_info", None)
   if info is None:
     return ""
   name = getattr(info, "func_name", None)
@@ -402,7 +414,7 @@ def run_custom_jvp(
     zeros = [type(t) is _SymbolicZero for t in tangents]
     jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*zeros)
     nz = [t for t in tangents if type(t) is not _SymbolicZero]
-    cj = ClosedJaxpr(jaxpr, consts)
+    cj = close(jaxpr, consts)
     nz = [
       _cast(t, _tangent_dtype(pr))
       for t, pr in zip(nz, _nonzero(primals, zeros))
@@ -496,7 +508,7 @@ def run_custom_vjp(
       raise ad.CustomVJPException()
     primals = vals[nconsts:]
     jaxpr, consts = thunk.call_wrapped(*nonzeros[nconsts:])
-    outs = body(ClosedJaxpr(jaxpr, consts), primals)
+    outs = body(close(jaxpr, consts), primals)
     nres = len(outs) - nout
     res, prim_out = list(outs[:nres]), list(outs[nres:])
     target = box.get("dtypes") or out_dtypes_of([o.dtype for o in prim_out])
@@ -571,7 +583,7 @@ def inputs_only_multiplied(jaxpr, names: frozenset) -> list[bool]:
   Uses inside ``jit`` bodies are followed; an input that is an output, or is
   used by anything else, is not.
   """
-  j = closed(jaxpr).jaxpr
+  j = closed(jaxpr)
   ok = {v: True for v in j.invars}
   for eqn in j.eqns:
     if eqn.primitive.name in names:
