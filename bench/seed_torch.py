@@ -13,6 +13,8 @@ and labels of both splits, served one PIL image at a time as torchvision's
 CIFAR10 does) or ``--image_folder`` (``torchvision.datasets.ImageFolder``;
 without torchvision, the folder's images read into arrays first, as
 `read_image_folder`), through a ``DataLoader`` with ``--workers`` processes.
+``--seed`` seeds torch: the initial weights and the order of the batches (0
+by default, as in the seed's script).
 """
 
 import argparse
@@ -116,6 +118,9 @@ def main():
   parser.add_argument("--workers", type=int, default=8)
   parser.add_argument("--filters", type=int, default=64)
   parser.add_argument("--threads", type=int, default=0)
+  parser.add_argument(
+    "--seed", type=int, default=0, help="torch.manual_seed: weights, order"
+  )
   args = parser.parse_args()
   if args.threads:
     torch.set_num_threads(args.threads)
@@ -153,7 +158,7 @@ def main():
     persistent_workers=args.workers > 0,
   )
   train_loader, test_loader = loader(train, True), loader(test, False)
-  torch.manual_seed(0)
+  torch.manual_seed(args.seed)
   net, which = model(classes, args.filters)
   net = net.to(dev)
   sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -197,6 +202,7 @@ def main():
         "test_accuracy": correct / max(total, 1),
         "model": which,
         "device": dev,
+        "seed": args.seed,
       }
     ),
     flush=True,
