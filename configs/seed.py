@@ -10,7 +10,7 @@ momentum 0.9, no weight decay, constant learning rate, batch 128, 10 epochs,
 ``Normalize((0.5,) * 3, (0.5,) * 3)`` and no augmentation (ToTensor and
 Normalize only). On the CIFAR10 test images it reaches about 71% in 10
 epochs, in O1 as in fp32, as the seed's PyTorch script does on the same
-images (three seeds each, AMD EPYC CPU, 2026-12-05; ``bench/fidelity.py
+images (three or four seeds each, AMD EPYC CPU, 2026-12-05; ``bench/fidelity.py
 --recipe=seed`` and ``bench/seed_torch.py``): docs/performance.md, "Half
 precision against fp32, on real images".
 """
