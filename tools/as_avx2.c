@@ -13,10 +13,8 @@
 // (XLA:CPU's target detection, YNNPACK, XNNPACK, oneDNN, numpy) then picks
 // those of an AVX2 CPU, and runs them natively, float16 conversions included.
 //
-// AS_AVX2_ZEN3=1 also turns an AMD family 19h model 1xh (Zen 4, an EPYC
-// 9004) into model 0xh (Zen 3, an EPYC 7003, Milan), so that XLA tunes for
-// `znver3` as on that CPU. AS_AVX2_VERBOSE=1 prints at exit how many CPUID
-// instructions were answered.
+// AS_AVX2_VERBOSE=1 prints at exit how many CPUID instructions were
+// answered.
 //
 // Any other SIGSEGV goes to the handler the program installed (Python's
 // faulthandler, for one) or kills the process as it would have: this
@@ -41,17 +39,13 @@ typedef int (*sigaction_fn)(int, const struct sigaction *, struct sigaction *);
 static sigaction_fn real_sigaction;
 static struct sigaction program_segv;  // The program's SIGSEGV disposition.
 static volatile long answered;
-static int as_zen3;
 
 static long cpuid_faults(int on) {
   return syscall(SYS_arch_prctl, ARCH_SET_CPUID, on ? 0 : 1);
 }
 
 static void edit(uint32_t leaf, uint32_t sub, uint32_t r[4]) {
-  if (leaf == 1 && as_zen3 && ((r[0] >> 20) & 0xff) == 0xa &&
-      ((r[0] >> 16) & 0xf) == 1) {
-    r[0] &= ~(0xfu << 16);  // Family 19h, model 1xh -> 0xh.
-  } else if (leaf == 7 && sub == 0) {
+  if (leaf == 7 && sub == 0) {
     // EBX: AVX512F, DQ, IFMA, PF, ER, CD, BW, VL.
     r[1] &= ~(1u << 16 | 1u << 17 | 1u << 21 | 1u << 26 | 1u << 27 |
               1u << 28 | 1u << 30 | 1u << 31);
@@ -126,7 +120,6 @@ sighandler_t signal(int sig, sighandler_t handler) {
 __attribute__((constructor)) static void as_avx2_start(void) {
   find_sigaction();
   program_segv.sa_handler = SIG_DFL;
-  as_zen3 = getenv("AS_AVX2_ZEN3") != NULL;
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_sigaction = on_segv;
