@@ -6,39 +6,41 @@ Apex-style precision presets, and `autocast` (Apex O1 / torch.autocast
 per-op precision for any JAX function).
 """
 
-from jaxmp._src.accumulation import AccumulationState
-from jaxmp._src.accumulation import multi_steps
-from jaxmp._src.accessors import check_health
-from jaxmp._src.accessors import find_state
-from jaxmp._src.accessors import loss_scale as loss_scale  # Deprecated.
-from jaxmp._src.accessors import loss_scaler
-from jaxmp._src.accessors import LossScaleCollapseError
-from jaxmp._src.accessors import master_params
-from jaxmp._src.accessors import NonFiniteLossError
-from jaxmp._src.accessors import overflow_report
-from jaxmp._src.accessors import rollback_if_skipped
-from jaxmp._src.accessors import scale_loss
-from jaxmp._src.accessors import stats
-from jaxmp._src.autocast import autocast
-from jaxmp._src.autocast import AutocastReport
-from jaxmp._src.autocast import no_autocast
-from jaxmp._src.calibrate import calibrate_loss_scale
-from jaxmp._src.compiler import cpu_compiler_options
-from jaxmp._src.fp8 import Fp8Recipe
-from jaxmp._src.initialize import initialize
-from jaxmp._src.mixed_precision import adjust_loss_scale
-from jaxmp._src.mixed_precision import all_finite
-from jaxmp._src.mixed_precision import LossScaleConfig
-from jaxmp._src.mixed_precision import LossScaler
-from jaxmp._src.mixed_precision import mixed_precision
-from jaxmp._src.mixed_precision import MixedPrecisionState
-from jaxmp._src.policy import get_policy
-from jaxmp._src.policy import get_preset
-from jaxmp._src.policy import Preset
-from jaxmp._src.policy import PRESETS
-from jaxmp._src.rounding import stochastic_round
-from jaxmp._src.unscaled import UnscaledGradientsWarning
-from jaxmp._src.value_and_grad import value_and_grad
+from jaxmp._src.transform.accumulation import AccumulationState
+from jaxmp._src.transform.accumulation import multi_steps
+from jaxmp._src.transform.accessors import check_health
+from jaxmp._src.transform.accessors import find_state
+from jaxmp._src.transform.accessors import (
+  loss_scale as loss_scale,
+)  # Deprecated.
+from jaxmp._src.transform.accessors import loss_scaler
+from jaxmp._src.transform.accessors import LossScaleCollapseError
+from jaxmp._src.transform.accessors import master_params
+from jaxmp._src.transform.accessors import NonFiniteLossError
+from jaxmp._src.transform.accessors import overflow_report
+from jaxmp._src.transform.accessors import rollback_if_skipped
+from jaxmp._src.transform.accessors import scale_loss
+from jaxmp._src.transform.accessors import stats
+from jaxmp._src.autocast.regions import autocast
+from jaxmp._src.autocast.regions import AutocastReport
+from jaxmp._src.autocast.regions import no_autocast
+from jaxmp._src.transform.calibrate import calibrate_loss_scale
+from jaxmp._src.nn.compiler import cpu_compiler_options
+from jaxmp._src.autocast.fp8 import Fp8Recipe
+from jaxmp._src.presets.initialize import initialize
+from jaxmp._src.transform.mixed_precision import adjust_loss_scale
+from jaxmp._src.transform.mixed_precision import all_finite
+from jaxmp._src.transform.mixed_precision import LossScaleConfig
+from jaxmp._src.transform.mixed_precision import LossScaler
+from jaxmp._src.transform.mixed_precision import mixed_precision
+from jaxmp._src.transform.mixed_precision import MixedPrecisionState
+from jaxmp._src.presets.policy import get_policy
+from jaxmp._src.presets.policy import get_preset
+from jaxmp._src.presets.policy import Preset
+from jaxmp._src.presets.policy import PRESETS
+from jaxmp._src.transform.rounding import stochastic_round
+from jaxmp._src.scaling.unscaled import UnscaledGradientsWarning
+from jaxmp._src.transform.value_and_grad import value_and_grad
 
 __version__ = "0.1.0"
 

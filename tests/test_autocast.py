@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import jaxmp
-from jaxmp._src import _jaxpr_interp as ji
-from jaxmp._src import autocast as ac
+from jaxmp._src.autocast import _jaxpr_interp as ji
+from jaxmp._src.autocast import regions as ac
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 U = {jnp.dtype(F16): 2.0**-11, jnp.dtype(BF16): 2.0**-8}

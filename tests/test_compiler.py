@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxmp
-from jaxmp._src import compiler
+from jaxmp._src.nn import compiler
 
 
 def test_other_platforms_get_no_options():

@@ -11,7 +11,7 @@ import pytest
 
 import jaxmp
 
-from jaxmp._src import conv
+from jaxmp._src.nn import conv
 
 f16, f32 = jnp.float16, jnp.float32
 

@@ -307,7 +307,7 @@ def test_recipe_and_arguments():
 
 
 def test_quantize_scales():
-  from jaxmp._src import fp8  # pylint: disable=g-import-not-at-top
+  from jaxmp._src.autocast import fp8  # pylint: disable=g-import-not-at-top
 
   recipe = jaxmp.Fp8Recipe()
   q, inv = fp8.quantize(jnp.zeros((3,)), jnp.float8_e4m3fn, recipe)

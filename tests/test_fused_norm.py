@@ -10,7 +10,7 @@ import jax.test_util
 import numpy as np
 import pytest
 
-from jaxmp._src import fused_norm
+from jaxmp._src.nn import fused_norm
 
 f16, f32 = jnp.float16, jnp.float32
 

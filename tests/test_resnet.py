@@ -10,7 +10,7 @@ import optax
 
 from _helpers import conv_f64
 
-from jaxmp._src import resnet
+from jaxmp._src.nn import resnet
 
 f16, f32 = jnp.float16, jnp.float32
 

@@ -17,13 +17,13 @@ except ImportError:
     "jaxmp.models needs flax: pip install 'jaxmp[flax]'"
   ) from None
 
-from jaxmp._src.resnet import get_model
-from jaxmp._src.resnet import ResNet
-from jaxmp._src.resnet import resnet18
-from jaxmp._src.resnet import resnet18_torchvision
-from jaxmp._src.torchvision import from_torchvision
-from jaxmp._src.torchvision import read_state_dict
-from jaxmp._src.torchvision import to_torchvision
+from jaxmp._src.nn.resnet import get_model
+from jaxmp._src.nn.resnet import ResNet
+from jaxmp._src.nn.resnet import resnet18
+from jaxmp._src.nn.resnet import resnet18_torchvision
+from jaxmp._src.nn.torchvision import from_torchvision
+from jaxmp._src.nn.torchvision import read_state_dict
+from jaxmp._src.nn.torchvision import to_torchvision
 
 __all__ = (
   "from_torchvision",

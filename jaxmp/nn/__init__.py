@@ -18,9 +18,9 @@ try:
 except ImportError:
   raise ImportError("jaxmp.nn needs flax: pip install 'jaxmp[flax]'") from None
 
-from jaxmp._src.conv import conv_general_dilated
-from jaxmp._src.fused_norm import FusedBatchNorm as BatchNorm
-from jaxmp._src.pool import max_pool
+from jaxmp._src.nn.conv import conv_general_dilated
+from jaxmp._src.nn.fused_norm import FusedBatchNorm as BatchNorm
+from jaxmp._src.nn.pool import max_pool
 
 __all__ = (
   "BatchNorm",

@@ -124,9 +124,9 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src import _jaxpr_interp as ji
+from jaxmp._src.autocast import _jaxpr_interp as ji
 from jaxmp._src import nnx_support
-from jaxmp._src import fp8 as _fp8
+from jaxmp._src.autocast import fp8 as _fp8
 
 logger = logging.getLogger("jaxmp")
 

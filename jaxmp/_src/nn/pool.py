@@ -26,7 +26,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxmp._src import conv
+from jaxmp._src.nn import conv
 
 Padding = Union[str, Sequence[tuple[int, int]]]
 

@@ -44,9 +44,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxmp._src import conv as conv_lib
-from jaxmp._src import fused_norm
-from jaxmp._src import pool as pool_lib
+from jaxmp._src.nn import conv as conv_lib
+from jaxmp._src.nn import fused_norm
+from jaxmp._src.nn import pool as pool_lib
 
 Dtype = Any
 

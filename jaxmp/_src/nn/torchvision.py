@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src import resnet
+from jaxmp._src.nn import resnet
 
 COUNTERS = "num_batches_tracked"
 ARCHS = ("resnet18_torchvision", "resnet18")

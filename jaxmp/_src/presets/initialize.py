@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmp._src import autocast as autocast_lib
-from jaxmp._src import mixed_precision as mp
-from jaxmp._src import policy as policy_lib
+from jaxmp._src.autocast import regions as autocast_lib
+from jaxmp._src.transform import mixed_precision as mp
+from jaxmp._src.presets import policy as policy_lib
 
 _BN = re.compile(r"(?:^|_)bn(?:\d|_|$)")
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxmp._src.mixed_precision import LossScale
+from jaxmp._src.transform.mixed_precision import LossScale
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,13 +14,13 @@ import jmp
 import numpy as np
 import optax
 
-from jaxmp._src import accumulation
-from jaxmp._src import diagnostics as diag
-from jaxmp._src import master_weights as masters_lib
-from jaxmp._src import mixed_precision as mp
+from jaxmp._src.transform import accumulation
+from jaxmp._src.scaling import diagnostics as diag
+from jaxmp._src.transform import master_weights as masters_lib
+from jaxmp._src.transform import mixed_precision as mp
 from jaxmp._src import nnx_support
-from jaxmp._src import placement
-from jaxmp._src import unscaled
+from jaxmp._src.transform import placement
+from jaxmp._src.scaling import unscaled
 
 
 def _host(x) -> np.ndarray:
@@ -114,7 +114,7 @@ def locate(
 ) -> mp.MixedPrecisionState:
   """`find_state`, with the placement checked and a captured state warned."""
   state = find_state(opt_state, what)
-  placement.check_placement(opt_state, state)
+  placement.check_placement(opt_state, state, accumulation.AccumulationState)
   placement.warn_if_captured(state, caller)
   unscaled.mark_scaled(state)
   return state
@@ -442,19 +442,11 @@ def _contains_mp(tree: Any) -> bool:
 
 def nonfinite_loss_message(first: int, last: int, scale: float) -> str:
   """What a run of NaN/inf losses can mean, and how to tell the causes apart."""
-  import jaxmp  # pylint: disable=g-import-not-at-top
-
-  if hasattr(jaxmp, "autocast"):
-    find = (
-      "run the step's loss function under jaxmp.autocast(loss_fn, "
-      "debug=True), whose report names the first forward op that "
-      "overflowed, or run the step in fp32"
-    )
-  else:
-    find = (
-      "run the same step in fp32 (the O0 preset): a finite loss there "
-      "means an fp16 overflow"
-    )
+  find = (
+    "run the step's loss function under jaxmp.autocast(loss_fn, "
+    "debug=True), whose report names the first forward op that "
+    "overflowed, or run the step in fp32"
+  )
   return (
     f"the loss itself was NaN/inf at steps {first}..{last} "
     f"({last - first + 1} in a row). Three causes: bad input data (check "

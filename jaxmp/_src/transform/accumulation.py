@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmp._src import mixed_precision as mp
+from jaxmp._src.transform import mixed_precision as mp
+from jaxmp._src.transform import placement
 
 
 class AccumulationState(NamedTuple):
@@ -156,9 +157,7 @@ def multi_steps(
 
 def _check_inside(state: AccumulationState) -> None:
   """A `mixed_precision` inside must be directly inside (see `placement`)."""
-  from jaxmp._src import placement  # pylint: disable=g-import-not-at-top
-
   is_mp = lambda x: isinstance(x, mp.MixedPrecisionState)
   for x in jax.tree_util.tree_leaves(state, is_leaf=is_mp):
     if is_mp(x):
-      placement.check_placement(state, x)
+      placement.check_placement(state, x, AccumulationState)

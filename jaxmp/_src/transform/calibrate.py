@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src import mixed_precision as mp
+from jaxmp._src.transform import mixed_precision as mp
 
 
 def calibrate_loss_scale(

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import dtypes
-from jaxmp._src import rounding
+from jaxmp._src.transform import rounding
 
 MODES = ("fp32", "none", "kahan", "stochastic")
 

@@ -38,11 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp._src import diagnostics as diag
+from jaxmp._src.scaling import diagnostics as diag
 from jaxmp._src import dtypes
-from jaxmp._src import loss_scale as loss_scale_lib
-from jaxmp._src import master_weights as masters_lib
-from jaxmp._src import unscaled
+from jaxmp._src.scaling import loss_scale as loss_scale_lib
+from jaxmp._src.transform import master_weights as masters_lib
+from jaxmp._src.transform import placement
+from jaxmp._src.scaling import unscaled
 
 # Re-exported: the public names live here since the first release.
 LossScaler = loss_scale_lib.LossScaler
@@ -361,8 +362,6 @@ def mixed_precision(
         "opt.update(grads, opt_state, params)"
       )
     _check_inner_state(state.inner_state)
-    from jaxmp._src import placement  # pylint: disable=g-import-not-at-top
-
     placement.check_chain(sys._getframe(1), update_fn.__code__)  # pylint: disable=protected-access
     unscaled.warn_if_unscaled(state)
     _mark_updated(state)

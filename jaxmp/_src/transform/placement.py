@@ -23,8 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp._src import mixed_precision as mp
-
 RIGHT_CHAIN = (
   "wrap the whole optimizer, e.g.\n"
   "  opt = jaxmp.mixed_precision(optax.chain(optax.clip_by_global_norm(1.0),"
@@ -47,7 +45,7 @@ def _child(node: Any, key: Any) -> Any:
 
 def _ancestors(opt_state: Any, target: Any) -> list[tuple[Any, Any, str]]:
   """``(container, key, keystr)`` from the root down to ``target``'s parent."""
-  is_mp = lambda x: isinstance(x, mp.MixedPrecisionState)
+  is_mp = lambda x: isinstance(x, type(target))
   for path, leaf in jax.tree_util.tree_flatten_with_path(
     opt_state, is_leaf=is_mp
   )[0]:
@@ -64,26 +62,27 @@ def _is_optax_state(x: Any) -> bool:
   return type(x).__module__.split(".")[0] == "optax"
 
 
-def check_placement(opt_state: Any, state: mp.MixedPrecisionState) -> None:
+def check_placement(opt_state: Any, state: Any, accumulation: type) -> None:
   """Raises a ``ValueError`` unless ``state`` sits where it must.
 
   Args:
     opt_state: the whole optimizer state the user passed.
     state: the `MixedPrecisionState` found inside it.
+    accumulation: the state type of `jaxmp.multi_steps`, the one wrapper
+      that may hold it (handed in: this module imports neither transform,
+      so that both can import it).
 
   Containers that are neither optax's nor jaxmp's (a user's dict, an NNX
   optimizer) are taken as they are: only the known wrong wrappers raise.
   """
-  from jaxmp._src import accumulation  # pylint: disable=g-import-not-at-top
-
   ancestors = _ancestors(opt_state, state)
   for depth, (node, key, where) in enumerate(ancestors):
     at = f"opt_state{where}"
     parent = ancestors[depth - 1][0] if depth else None
-    if isinstance(node, accumulation.AccumulationState):
+    if isinstance(node, accumulation):
       continue
     if isinstance(node, optax.MultiStepsState):
-      if isinstance(parent, accumulation.AccumulationState):
+      if isinstance(parent, accumulation):
         continue
       raise ValueError(
         f"jaxmp.mixed_precision inside optax.MultiSteps (at {at}): after one "
@@ -126,7 +125,7 @@ def _concrete(x: Any) -> bool:
   return True
 
 
-def warn_if_captured(state: mp.MixedPrecisionState, caller: str) -> None:
+def warn_if_captured(state: Any, caller: str) -> None:
   """Warns when ``state`` is a constant of a function being traced.
 
   Its loss scale then has a value while a fresh array made here is a tracer

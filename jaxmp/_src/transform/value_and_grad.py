@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import jax
 
-from jaxmp._src import accessors
+from jaxmp._src.transform import accessors
 from jaxmp._src import nnx_support
 
 

@@ -1,0 +1,12 @@
+"""The optax transforms and what reads or feeds their state.
+
+* ``mixed_precision``: fp32 masters and dynamic loss scaling; its state.
+* ``master_weights``, ``rounding``: one object per master-weights mode, and
+  the stochastic and Kahan rounding they use.
+* ``accumulation``: ``multi_steps``, gradient accumulation around it.
+* ``placement``: where ``mixed_precision`` sits, checked at trace time (it
+  is handed the state types and imports neither transform).
+* ``accessors``: ``scale_loss``, ``loss_scaler``, ``stats``, ``find_state``...
+* ``value_and_grad``, ``calibrate``: the scaled gradients of a step, and an
+  initial loss scale from a few of them.
+"""
