@@ -22,8 +22,8 @@ from jaxmp._src.transform.accessors import rollback_if_skipped
 from jaxmp._src.transform.accessors import scale_loss
 from jaxmp._src.transform.accessors import stats
 from jaxmp._src.autocast.regions import autocast
-from jaxmp._src.autocast.regions import AutocastReport
 from jaxmp._src.autocast.regions import no_autocast
+from jaxmp._src.autocast.report import AutocastReport
 from jaxmp._src.transform.calibrate import calibrate_loss_scale
 from jaxmp._src.nn.compiler import cpu_compiler_options
 from jaxmp._src.autocast.fp8 import Fp8Recipe

@@ -17,7 +17,7 @@ import pytest
 
 import jaxmp
 from jaxmp._src.autocast import _jaxpr_interp as ji
-from jaxmp._src.autocast import regions as ac
+from jaxmp._src.autocast import rules as ac
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 U = {jnp.dtype(F16): 2.0**-11, jnp.dtype(BF16): 2.0**-8}

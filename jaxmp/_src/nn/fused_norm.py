@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype
 
-from jaxmp._src.autocast.regions import NORMALIZATION_MARK
+from jaxmp._src.autocast.rules import NORMALIZATION_MARK
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]

@@ -1,0 +1,288 @@
+"""The autocast interpreter: a jaxpr evaluated again with the `rules`.
+
+Everywhere JAX code goes: ``jit`` bodies are rewritten and re-bound (same name
+and shardings); ``scan``, ``while_loop``, ``cond``/``switch``, ``checkpoint``
+and ``shard_map`` (same mesh, specs and axis names, collectives inside) are
+re-emitted through ``jax.lax``/``jax.shard_map`` with their bodies rewritten;
+loop carries keep their traced dtype (so a loop's type is fixed), ``cond``
+branches agree on the widest dtype of each output. For ``custom_jvp`` and
+``custom_vjp`` the user's rule still defines the derivative (a bwd rule that
+clips the cotangent still clips it): the primal, the JVP rule and the fwd rule
+are rewritten; the bwd rule is called on the residuals the fwd rule now saves
+and on cotangents in the dtype plain JAX would give its outputs, and its
+operations are rewritten too (as torch's ``custom_bwd``). A ``custom_vjp``
+whose float inputs only feed matrix products (``jaxmp.nn``'s convolution) gets
+them cast to ``dtype`` at its boundary, so it saves them in half.
+``jaxmp.nn.BatchNorm``'s ``custom_vjp`` is a normalisation rule (its row
+in `rules`): it returns, and saves for its backward pass, activations in its
+input's dtype (half after a half convolution), so the residual adds and ReLUs
+after it run and are saved in half, as in torch's O1 ResNet; its fp32
+``batch_stats`` and the fp32 gradients of its scale and bias are unchanged.
+Its eval mode (``use_running_average``) is no ``custom_vjp`` and follows the
+widest-input row (fp32 out). Other
+primitives with bodies (``reduce`` with a custom computation, ``scatter-add``
+and its kin), bitcasts and callbacks run at their traced dtypes.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src.autocast import _jaxpr_interp as ji
+from jaxmp._src.autocast import fp8 as _fp8
+from jaxmp._src.autocast import report
+from jaxmp._src.autocast import rules
+
+
+class Interpreter:
+  """Evaluates jaxprs with the autocast rules, in dtype ``dtype``."""
+
+  def __init__(self, dtype, natural: bool = False, fp8=None):
+    self.dtype = jnp.dtype(dtype)
+    self.fp8 = fp8  # An Fp8Recipe: products in fp8 (fp8.py).
+    self.max = float(jnp.finfo(self.dtype).max)
+    # natural: no lists, every op in the widest dtype of its inputs (what
+    # plain JAX computes from those dtypes).
+    self.natural = natural
+    # A jit's rewritten body by (its jaxpr, input types, weak flags): a model
+    # calls the same jitted layer many times (ResNet18: 57 calls, 12 distinct
+    # bodies), and rewriting each once also lets JAX's own per-jaxpr caches
+    # (differentiation, lowering) hit for the repeats.
+    self._jits: dict = {}
+
+  def run(self, jaxpr, args, weak=None, sink=None):
+    """``jaxpr`` evaluated on ``args``, each equation by `_eqn`."""
+
+    def handle(eqn, invals, inweak):
+      return self._eqn(eqn, invals, inweak, sink)
+
+    outs, _ = ji.evaluate(
+      jaxpr, list(args), handle, weak, weak_literal=self._weak_literal
+    )
+    return outs
+
+  def _eqn(self, eqn, invals, inweak, sink):
+    """One equation: its outputs and their weak-type flags."""
+    k = ji.kind(eqn)
+    if k is None:
+      outs, inlined = self._first_order(eqn, invals, inweak), False
+    else:
+      outs, inlined = self._with_bodies(k, eqn, invals, inweak, sink)
+    if sink is not None and not inlined:
+      report.check(sink, eqn, invals, outs)
+    weak = all(inweak)
+    return outs, [weak] * len(outs)
+
+  def _first_order(self, eqn, invals, inweak):
+    """A primitive without bodies, its inputs cast by the rules."""
+    avals = ji.in_avals(eqn)
+    name = ji.primitive_name(eqn)
+    if name in rules.AS_TRACED or any(
+      rules.is_float(a.dtype) and not rules.castable(a.dtype) for a in avals
+    ):
+      return _as_traced(eqn, invals)
+    idx = [i for i, a in enumerate(avals) if rules.castable(a.dtype)]
+    if not idx or name in rules.INDEPENDENT:
+      return ji.bind(eqn, invals)
+    updates = {}
+    target = self._target(
+      name, [invals[i] for i in idx], [inweak[i] for i in idx]
+    )
+    if name in rules.LOWER_PRECISION:
+      # The traced default (the input dtype) follows the new inputs; a
+      # preferred_element_type the user asked for is kept.
+      pet = ji.params(eqn).get("preferred_element_type")
+      if pet is not None and rules.castable(pet):
+        if all(jnp.dtype(avals[i].dtype) == jnp.dtype(pet) for i in idx):
+          updates["preferred_element_type"] = target
+    two = name in rules.LOWER_PRECISION and len(idx) == 2 and not self.natural
+    if two and self.fp8 is not None:
+      out = _fp8_product(
+        self.fp8,
+        eqn,
+        invals,
+        updates.get(
+          "preferred_element_type", pet if pet is not None else target
+        ),
+      )
+      if out is not None:
+        return out
+    args = list(invals)
+    for i in idx:
+      args[i] = rules.cast(args[i], target)
+    return ji.bind(eqn, args, **updates)
+
+  def _target(self, name, floats, weak):
+    """The dtype primitive ``name`` runs in, given its castable inputs."""
+    if name in rules.LOWER_PRECISION and not self.natural:
+      return self.dtype
+    if name in rules.FLOAT32 and not self.natural:
+      return rules.F32
+    strong = [x.dtype for x, w in zip(floats, weak) if not w]
+    return rules.widest(strong or [x.dtype for x in floats])
+
+  def _with_bodies(self, k, eqn, invals, inweak, sink):
+    """A primitive of kind ``k`` with bodies (``ji.kind``): outs, inlined.
+
+    ``inlined``: the body was evaluated in line, its own equations checked
+    for the debug report (so the equation itself is not).
+    """
+    if k == "jit":
+      name = ji.call_name(eqn)
+      if rules.NO_AUTOCAST_MARK in name or rules.AUTOCAST_MARK in name:
+        return _as_traced(eqn, invals), False
+      if sink is not None:
+        return self.run(ji.params(eqn)["jaxpr"], invals, inweak, sink), True
+      return self._jit(eqn, invals, inweak), False
+    if k == "call":
+      params = ji.params(eqn)
+      call = ji.closed(params.get("call_jaxpr", params.get("jaxpr")))
+      return self.run(call, invals, inweak, sink), True
+    if k == "remat":
+      outs = ji.run_remat(eqn, invals, self._body(inweak))
+    elif k == "cond":
+      outs = ji.run_cond(eqn, invals, self._body(inweak[1:]), rules.unify)
+    elif k == "scan":
+      outs = ji.run_scan(eqn, invals, self._body(inweak))
+    elif k == "while":
+      outs = ji.run_while(eqn, invals, self._body())
+    elif k == "shard_map":
+      outs = ji.run_shard_map(eqn, invals, self._body(inweak))
+    elif k == "custom_jvp":
+      outs = ji.run_custom_jvp(eqn, invals, self._body(inweak), list)
+    elif k == "custom_vjp":
+      outs = self._custom_vjp(eqn, invals, inweak)
+    else:
+      outs = _as_traced(eqn, invals)
+    return outs, False
+
+  def _jit(self, eqn, invals, inweak):
+    inner = ji.params(eqn)["jaxpr"]
+    avals = [ji.typeof(x) for x in invals]
+    try:
+      key = (inner, tuple(avals), tuple(inweak))
+      hash(key)
+    except TypeError:  # pragma: no cover - an unhashable type: no reuse.
+      return ji.run_jit(eqn, invals, self._body(inweak))
+    body = self._jits.get(key)
+    if body is None:
+      run = self._body(inweak)
+      body = self._jits[key] = ji.trace(lambda *a: run(inner, a), avals)
+    return ji.bind(eqn, invals, jaxpr=body)
+
+  def _custom_vjp(self, eqn, invals, inweak):
+    call = ji.params(eqn)["call_jaxpr"]
+    avals = ji.in_avals(eqn)
+    args = list(invals)
+    if not self.natural:
+      # When the float inputs only feed matrix products, they are cast at
+      # the boundary, so the rule saves them in half precision as the
+      # product itself would. All or none: a rule may insist (lax.conv does)
+      # that its operands share a dtype.
+      only = ji.inputs_only_multiplied(call, rules.LOWER_PRECISION)
+      floats = [i for i, a in enumerate(avals) if rules.castable(a.dtype)]
+      if floats and all(only[i] for i in floats):
+        for i in floats:
+          args[i] = rules.cast(args[i], self.dtype)
+    out_dtypes_of, res_dtypes_of = list, None
+    if not self.natural and rules.NORMALIZATION_MARK in ji.rule_name(eqn):
+      nc = ji.params(eqn)["num_consts"]
+      out_dtypes_of, res_dtypes_of = _normalization(call, avals[nc:], args[nc:])
+    ct_dtypes = None
+    if [jnp.dtype(x.dtype) for x in args] != [
+      jnp.dtype(a.dtype) for a in avals
+    ]:
+      # The cotangents the user's bwd rule expects: the output dtypes plain
+      # JAX computes from the dtypes the inputs now have (a normalisation
+      # layer's output cotangent in its output's dtype).
+      natural = Interpreter(self.dtype, natural=True)
+      ct_dtypes = out_dtypes_of(
+        [
+          a.dtype
+          for a in ji.trace(
+            lambda *a: natural.run(call, a), [ji.typeof(x) for x in args]
+          ).out_avals
+        ]
+      )
+    return ji.run_custom_vjp(
+      eqn, args, self._body(inweak), out_dtypes_of, ct_dtypes, res_dtypes_of
+    )
+
+  def _body(self, inweak=None):
+    def body(jaxpr, args):
+      w = inweak if inweak is not None and len(inweak) == len(args) else None
+      return self.run(jaxpr, args, w)
+
+    return body
+
+  # A literal is weak (a Python scalar: never widens an op) unless it does not
+  # fit in the autocast dtype (e.g. finfo(float32).min as a mask value).
+  def _weak_literal(self, value) -> bool:
+    v = np.asarray(value)
+    if not rules.is_float(v.dtype) or v.size != 1:
+      return v.size == 1
+    f = float(v.reshape(()))
+    return not np.isfinite(f) or abs(f) <= self.max
+
+
+def _fp8_product(recipe, eqn, invals, out_dtype):
+  """``eqn`` (a product of two castable floats) in fp8, or None."""
+  name = ji.primitive_name(eqn)
+  if name == "conv_general_dilated":
+    if not _fp8.fp8_convolutions(recipe):
+      return None
+  elif name != "dot_general":
+    return None  # ragged_dot runs in dtype.
+  if not rules.castable(out_dtype):
+    return None
+
+  def prim(a, b):
+    return ji.bind(eqn, [a, b], preferred_element_type=rules.F32)[0]
+
+  return [_fp8.product(prim, invals[0], invals[1], recipe, out_dtype)]
+
+
+def _normalization(call, avals, args):
+  """Output and residual dtypes of a normalisation layer's ``custom_vjp``.
+
+  The activation inputs are the float inputs shaped like the first one (the
+  input and, for BatchNorm + residual add, the residual); per-channel inputs
+  (scale, bias) are not. Outputs shaped like the activation take the widest
+  dtype of the activation inputs as they now are (half after a convolution);
+  the others (batch statistics) keep the dtype the rule computes (fp32).
+  Residuals shaped like the activation are saved in that dtype when the rule
+  computed them wider (e.g. BatchNorm+ReLU's output, whose sign is the mask).
+  """
+  shape = tuple(avals[0].shape)
+
+  def act(a) -> bool:
+    return tuple(a.shape) == shape and rules.castable(a.dtype)
+
+  target = rules.widest(x.dtype for x, a in zip(args, avals) if act(a))
+  out_act = [act(a) for a in ji.jaxpr_out_avals(call)]
+  if target is None:
+    return list, None
+
+  def out_dtypes_of(dtypes):
+    return [
+      target if (a and rules.castable(d)) else d
+      for d, a in zip(dtypes, out_act)
+    ]
+
+  def res_dtypes_of(res):
+    return [
+      target
+      if act(r) and jnp.promote_types(r.dtype, target) == r.dtype
+      else r.dtype
+      for r in res
+    ]
+
+  return out_dtypes_of, res_dtypes_of
+
+
+def _as_traced(eqn, invals):
+  """Binds ``eqn`` unchanged, its float inputs cast back to the traced dtypes."""
+  args = [
+    rules.cast(x, a.dtype) if rules.castable(a.dtype) else x
+    for x, a in zip(invals, ji.in_avals(eqn))
+  ]
+  return ji.bind(eqn, args)
