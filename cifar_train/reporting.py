@@ -157,51 +157,52 @@ class Reporter:
     """
     if not self.is_main:
       return
-    scale = float(stats["loss_scale"])
-    skipped = int(stats["skipped_steps"])
-    if self._bar is not None:
-      self._bar.set_postfix(scale=f"{scale:g}", skipped=skipped)
     last = self.steps[-1] if self.steps else None
-    prev_step = last["step"] if last else 0
-    prev_skipped = last["skipped_steps"] if last else 0
-    record = {
-      "step": step,
-      "loss": float(stats["loss"]),
-      "train_accuracy": float(stats.get("accuracy", float("nan"))),
-      "loss_scale": scale,
-      "skipped_steps": skipped,
-      "skipped_since_last_log": skipped - prev_skipped,
-    }
-    bad_loss = 0  # Of the skipped steps, those whose loss was NaN/inf.
-    if "nonfinite_loss_steps" in stats:
-      record["nonfinite_loss_steps"] = int(stats["nonfinite_loss_steps"])
-      bad_loss = record["nonfinite_loss_steps"] - (
-        last.get("nonfinite_loss_steps", 0) if last else 0
+    record = _step_record(step, stats, last)
+    if self._bar is not None:
+      self._bar.set_postfix(
+        scale=f"{record['loss_scale']:g}", skipped=record["skipped_steps"]
       )
     if record["skipped_since_last_log"] > 0:
-      before = last["loss_scale"] if last else self.initial_loss_scale
-      line = (
-        f"Step {step}: skipped {record['skipped_since_last_log']} of steps "
-        f"{prev_step + 1}-{step}, loss scale {before:g} -> {scale:g}"
-      )
-      if bad_loss > 0:
-        line += f"; {bad_loss} of them with a NaN/inf loss"
-      if worst_leaf is not None:
-        record["worst_leaf"], record["worst_leaf_nonfinite"] = worst_leaf
-        line += f"; worst leaf {worst_leaf[0]}: {worst_leaf[1]} non-finite"
-      self._write_line(line)
-      if self._tb is not None:
-        self._tb.add_text("skipped", line, step)
+      self._report_skips(record, last, worst_leaf)
     self.steps.append(record)
     with open(os.path.join(self.workdir, "steps.jsonl"), "a") as f:
       f.write(json.dumps(record) + "\n")
     if self._tb is not None:
       self._tb.add_scalar("train_loss_step", record["loss"], step)
-      self._tb.add_scalar("loss_scale", scale, step)
-      self._tb.add_scalar("skipped_steps", skipped, step)
+      self._tb.add_scalar("loss_scale", record["loss_scale"], step)
+      self._tb.add_scalar("skipped_steps", record["skipped_steps"], step)
       self._tb.add_scalar(
         "skipped_since_last_log", record["skipped_since_last_log"], step
       )
+
+  def _report_skips(
+    self, record: dict, last: Optional[dict], worst_leaf
+  ) -> None:
+    """Prints the line of the steps skipped since the previous log step.
+
+    Also to TensorBoard; the worst leaf goes into ``record`` too.
+    """
+    step, scale = record["step"], record["loss_scale"]
+    prev_step = last["step"] if last else 0
+    bad_loss = 0  # Of the skipped steps, those whose loss was NaN/inf.
+    if "nonfinite_loss_steps" in record:
+      bad_loss = record["nonfinite_loss_steps"] - (
+        last.get("nonfinite_loss_steps", 0) if last else 0
+      )
+    before = last["loss_scale"] if last else self.initial_loss_scale
+    line = (
+      f"Step {step}: skipped {record['skipped_since_last_log']} of steps "
+      f"{prev_step + 1}-{step}, loss scale {before:g} -> {scale:g}"
+    )
+    if bad_loss > 0:
+      line += f"; {bad_loss} of them with a NaN/inf loss"
+    if worst_leaf is not None:
+      record["worst_leaf"], record["worst_leaf_nonfinite"] = worst_leaf
+      line += f"; worst leaf {worst_leaf[0]}: {worst_leaf[1]} non-finite"
+    self._write_line(line)
+    if self._tb is not None:
+      self._tb.add_text("skipped", line, step)
 
   def _write_line(self, line: str) -> None:
     if self._bar is not None:
@@ -328,6 +329,22 @@ class Reporter:
     fig.savefig(path + ".tmp.png", dpi=90)
     os.replace(path + ".tmp.png", path)
     plt.close(fig)
+
+
+def _step_record(step: int, stats: dict, last: Optional[dict]) -> dict:
+  """The steps.jsonl record of a log step (``last``: the previous one)."""
+  skipped = int(stats["skipped_steps"])
+  record = {
+    "step": step,
+    "loss": float(stats["loss"]),
+    "train_accuracy": float(stats.get("accuracy", float("nan"))),
+    "loss_scale": float(stats["loss_scale"]),
+    "skipped_steps": skipped,
+    "skipped_since_last_log": skipped - (last["skipped_steps"] if last else 0),
+  }
+  if "nonfinite_loss_steps" in stats:
+    record["nonfinite_loss_steps"] = int(stats["nonfinite_loss_steps"])
+  return record
 
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
