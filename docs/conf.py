@@ -126,7 +126,7 @@ def _public_signature(app, what, name, obj, options, signature, annotation):
       module = sys.modules.get(public)
       for short in getattr(module, "__all__", ()):
         text = re.sub(
-          rf"~?jaxmp\._src\.\w+\.{short}\b", f"{public}.{short}", text
+          rf"~?jaxmp\._src\.(?:\w+\.)+{short}\b", f"{public}.{short}", text
         )
     return text
 
