@@ -6,7 +6,7 @@ the table is in its docstring):
 
 * **3x3 and larger kernels, more than 4 output pixels**: XLA's own
   convolution for the forward and both gradients. With XLA's convolutions
-  (not YNNPACK's, see ``jaxmp/_src/compiler.py``) its kernel gradient is
+  (not YNNPACK's, see ``jaxmp/_src/nn/compiler.py``) its kernel gradient is
   1.2-2x faster than one matrix product per kernel tap (stage 1 of the CIFAR
   ResNet18: 115-150 ms against 250-320 ms).
 * **1x1 kernels** (the strided projections): XLA's forward and input

@@ -7,11 +7,11 @@ its state a `NamedTuple`. Each ``update`` is four named steps:
 1. `_finite_flags`: are the gradients (and the loss, when given) finite, on
    every device of ``axis_name``;
 2. the inner step: unscale in fp32, run ``inner`` on the fp32 view of the
-   params that the master-weights mode gives (`jaxmp._src.master_weights`:
+   params that the master-weights mode gives (`master_weights`:
    one small object per mode), keep its state only if the step is applied;
 3. `_outer_updates`: the half params' updates that land them on the mode's
    targets (``cast(master)`` for fp32 masters), ``-0.0`` on a skipped step;
-4. `_next_counters`: the loss-scale rule (`jaxmp._src.loss_scale`) and the
+4. `_next_counters`: the loss-scale rule (`scaling.loss_scale`) and the
    skip counters.
 
 A skipped step is written branch-free with `jnp.where`: the selects fuse into
