@@ -329,9 +329,11 @@ def _mesh():
 
 
 def _sharded_series():
-  """Gradients of an 8-element fp16 param sharded over 4 devices, and of a
-  replicated fp32 one given per device (pmean-ed in the step); per-device
-  losses (their mean is the step's loss)."""
+  """Gradients of a sharded fp16 param and of a replicated fp32 one, losses.
+
+  ``w`` (8 elements) is sharded over 4 devices; ``b`` is given per device
+  (pmean-ed in the step), and so is the loss (its mean is the step's loss).
+  """
   rng = np.random.default_rng(4)
   w = rng.normal(size=8).astype(np.float32)
   b = rng.normal(size=(4, 2)).astype(np.float32)

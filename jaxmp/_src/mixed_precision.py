@@ -402,9 +402,7 @@ def mixed_precision(
     grads_finite, loss_finite = _finite_flags(
       grads, loss, scale, config, axis_name
     )
-    finite = (
-      grads_finite if loss_finite is None else grads_finite & loss_finite
-    )
+    finite = grads_finite if loss_finite is None else grads_finite & loss_finite
     # Multiplying by the reciprocal is exact for power-of-two scales.
     inv_scale = 1.0 / scale
     report = (

@@ -157,8 +157,8 @@ def check_state(config: Optional[SpikeSkip], spikes: Any) -> None:
 
 
 def _axes(axis_name: Any) -> tuple[Any, ...]:
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (
-    axis_name,
+  return (
+    tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   )
 
 
@@ -269,9 +269,7 @@ def step(
   """
   over = _above(spikes.norms, spikes.norm_count, norm, config.factor)
   if loss is not None:
-    over = over | _above(
-      spikes.losses, spikes.loss_count, loss, config.factor
-    )
+    over = over | _above(spikes.losses, spikes.loss_count, loss, config.factor)
   spike = finite & over
   accepted = finite & ~over
   # A finite step can still have an inf norm (squares past fp32's range):
