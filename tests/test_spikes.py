@@ -30,6 +30,7 @@ WINDOW, FACTOR, STEPS = 8, 3.0, 60
 # Step -> (loss factor, gradient-norm factor); inf: an overflow.
 PLANTS = {
   3: (10.0, 10.0),  # Before the windows fill: never dropped.
+  17: (np.nan, 1.0),  # A NaN loss (given): skipped, enters no window.
   20: (3.0, 1.0),  # The loss only.
   27: (1.0, 5.0),  # The gradient norm only.
   33: (1.0, np.inf),  # An overflow: skipped, not a spike.
@@ -39,18 +40,20 @@ PLANTS = {
 }
 
 
-def reference(losses, norms, window, factor):
+def reference(losses, norms, window, factor, kept=None):
   """The rule in float64: per step "spike", "overflow" or None (applied).
 
   ``losses`` holds None where no loss is given. Also returns the smallest
   relative distance of a judged value to its threshold, so a test can check
-  that fp32 rounding cannot flip any decision.
+  that fp32 rounding cannot flip any decision. ``kept`` (a dict) receives
+  the accepted values, ``{"loss": [...], "norm": [...]}``.
   """
-  kept = {"loss": [], "norm": []}
+  kept = {"loss": [], "norm": []} if kept is None else kept
+  kept.update(loss=[], norm=[])
   out, margin = [], np.inf
   for loss, norm in zip(losses, norms):
-    if not np.isfinite(norm):
-      out.append("overflow")
+    if not np.isfinite(norm) or (loss is not None and not np.isfinite(loss)):
+      out.append("overflow")  # Skipped for a non-finite value.
       continue
     spike = False
     for key, value in (("loss", loss), ("norm", norm)):
@@ -122,7 +125,15 @@ def _equal(a, b):
   )
 
 
-def _run(with_loss, seed=0):
+def _ring(kept, window):
+  """The ring buffer holding the last ``window`` of ``kept``, as stored."""
+  ring = np.zeros(window)
+  for i, v in enumerate(kept):
+    ring[i % window] = v
+  return ring
+
+
+def _run(with_loss, seed=0, kept=None):
   """Runs the planted series; returns per-step records and the reference."""
   opt = _opt()
   params = _params()
@@ -140,14 +151,15 @@ def _run(with_loss, seed=0):
     new_params = optax.apply_updates(params, updates)
     records.append((params, state, new_params, new_state))
     params, state = new_params, new_state
-  expected, margin = reference(seen_losses, seen_norms, WINDOW, FACTOR)
+  expected, margin = reference(seen_losses, seen_norms, WINDOW, FACTOR, kept)
   return records, expected, margin
 
 
 @pytest.mark.invariant
 @pytest.mark.parametrize("with_loss", [True, False])
 def test_dropped_steps_match_numpy_reference_and_roll_back(with_loss):
-  records, expected, margin = _run(with_loss)
+  kept = {}
+  records, expected, margin = _run(with_loss, kept=kept)
   assert margin > 1e-4  # No decision is within fp32 rounding of its line.
   spikes = {t for t, e in enumerate(expected) if e == "spike"}
   # The planted spikes are there: the loss-only ones only with the loss.
@@ -155,6 +167,7 @@ def test_dropped_steps_match_numpy_reference_and_roll_back(with_loss):
   assert planted <= spikes
   assert not any(e == "spike" for e in expected[:WINDOW])
   assert expected[33] == "overflow"
+  assert expected[17] == ("overflow" if with_loss else None)
   got = []
   for t, (params, old, new_params, new) in enumerate(records):
     applied = bool(new.step_applied)
@@ -172,14 +185,21 @@ def test_dropped_steps_match_numpy_reference_and_roll_back(with_loss):
   assert got == expected
   final = jax.device_get(jaxmp.stats(records[-1][3]))
   assert final["spike_skips"] == len(spikes)
-  assert final["skipped_steps"] == 1  # The overflow alone.
-  # The overflow halved the scale; spikes never moved it.
+  # The overflow and the NaN loss (when given) alone.
+  assert final["skipped_steps"] == (2 if with_loss else 1)
+  # The overflow halved the scale; spikes and the NaN loss never moved it.
   assert final["loss_scale"] == 2.0**9
-  spikes_state = records[-1][3].spikes
-  accepted = sum(e is None for e in expected)
-  assert int(spikes_state.loss_count) == (
-    (accepted - WINDOW) % WINDOW + WINDOW if with_loss else 0
+  # The windows hold the reference's last accepted values, where it put them.
+  windows = records[-1][3].spikes
+  np.testing.assert_allclose(
+    windows.norms, _ring(kept["norm"], WINDOW), rtol=1e-6
   )
+  np.testing.assert_allclose(
+    windows.losses, _ring(kept["loss"], WINDOW), rtol=1e-6
+  )
+  count = lambda n: n if n < 2 * WINDOW else (n - WINDOW) % WINDOW + WINDOW
+  assert int(windows.norm_count) == count(len(kept["norm"]))
+  assert int(windows.loss_count) == count(len(kept["loss"]))
 
 
 def test_constant_series_is_never_dropped_strictly_above_is():
@@ -347,14 +367,14 @@ def _sharded_series():
   return out
 
 
-def _sharded_reference(series, scale):
+def _sharded_reference(series, scale, kept=None):
   losses, norms = [], []
   for g, loss in series:
     w = (g["w"] * scale).astype(np.float16).astype(np.float64) / scale
     b = (g["b"] * scale).astype(np.float32).astype(np.float64).mean(0) / scale
     norms.append(np.sqrt(np.sum(w**2) + np.sum(b**2)))
     losses.append(float(np.mean(loss.astype(np.float64))))
-  return reference(losses, norms, 6, FACTOR)
+  return reference(losses, norms, 6, FACTOR, kept)
 
 
 @pytest.mark.devices(4)
@@ -397,10 +417,18 @@ def test_shard_map_with_axis_name_decides_globally():
     got.append(None if bool(state.step_applied) else "spike")
     if got[-1]:
       assert _equal(params, old)
-  expected, margin = _sharded_reference(series, 8.0)
+  kept = {}
+  expected, margin = _sharded_reference(series, 8.0, kept)
   assert margin > 1e-4
   assert {14, 22, 30} <= {t for t, e in enumerate(expected) if e}
   assert got == expected
+  # The global norm (the shards' squares summed) and the mean loss.
+  np.testing.assert_allclose(
+    state.spikes.norms, _ring(kept["norm"], 6), rtol=1e-6
+  )
+  np.testing.assert_allclose(
+    state.spikes.losses, _ring(kept["loss"], 6), rtol=1e-6
+  )
   # out_specs P() (checked by shard_map) for the windows: one on all devices.
   for leaf in jax.tree.leaves(state.spikes):
     shards = [np.asarray(s.data) for s in leaf.addressable_shards]
