@@ -499,3 +499,76 @@ def test_misuse_errors():
     _opt(optax.sgd(0.1), window=4).update(g, spiky.init(params), params)
   with pytest.raises(ValueError, match="scalar loss"):
     spiky.update(g, spiky.init(params), params, loss=jnp.ones(3))
+
+
+def test_flax_train_state_apply_gradients_without_loss():
+  # TrainState.apply_gradients calls tx.update(grads, opt_state, params):
+  # no loss reaches the transform; the gradient norm alone decides.
+  train_state = pytest.importorskip("flax.training.train_state")
+  state = train_state.TrainState.create(
+    apply_fn=None, params=_params(), tx=_opt()
+  )
+  apply = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+  _, grads = _series(seed=5, plants={12: (1.0, 5.0), 13: (9.0, 1.0)})
+  norms, flags = [], []
+  for t, g in enumerate(grads[:20]):
+    scale = float(jaxmp.stats(state.opt_state)["loss_scale"])
+    scaled = _scaled(g, scale)
+    norms.append(_norm(scaled, scale))
+    old = state
+    state = apply(state, scaled)
+    applied = bool(jaxmp.stats(state.opt_state)["step_applied"])
+    flags.append(None if applied else "spike")
+    if not applied:
+      assert _equal(state.params, old.params)
+  expected, margin = reference([None] * 20, norms, WINDOW, FACTOR)
+  assert margin > 1e-4 and expected[12] == "spike"
+  assert flags == expected
+  assert int(jaxmp.find_state(state.opt_state).spikes.loss_count) == 0
+
+
+@pytest.mark.devices(4)
+def test_pmap_with_axis_name_decides_alike():
+  opt = jaxmp.mixed_precision(
+    optax.sgd(0.1),
+    loss_scale=8.0,
+    skip_spikes=jaxmp.SpikeSkip(window=6, factor=FACTOR),
+    axis_name="data",
+  )
+  params = {"w": jnp.ones(8, jnp.float16), "b": jnp.ones(2, jnp.float32)}
+  rep = lambda t: jax.tree.map(lambda x: jnp.stack([x] * 4), t)
+  state = rep(opt.init(params))
+  params = rep(params)
+
+  def step(grads, loss, state, params):
+    # Data parallel: each device's gradients, pmean-ed; each device's own
+    # loss as it is (pmap's types cannot say it varies: the largest counts).
+    grads = jax.lax.pmean(grads, "data")
+    updates, state = opt.update(grads, state, params, loss=loss)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.pmap(step, axis_name="data", devices=jax.devices()[:4])
+  series = _sharded_series()
+  got = []
+  for g, loss in series:
+    # Each device: the whole w gradient (a quarter of it each, summing to
+    # the global one), its own b gradient and loss.
+    w = np.stack([g["w"] * 4 * (i == 0) for i in range(4)])
+    grads = {"w": (w * 8.0).astype(np.float16), "b": g["b"] * 8.0}
+    params, state = step(grads, loss, state, params)
+    flags = np.asarray(state.step_applied)
+    assert flags.all() or not flags.any()  # One decision everywhere.
+    got.append(None if flags[0] else "spike")
+  kept = {}
+  losses = [float(np.max(loss)) for _, loss in series]
+  norms = []
+  for g, _ in series:
+    w = (g["w"] * 32.0).astype(np.float16).astype(np.float64) / 32.0
+    b = (g["b"] * 8.0).astype(np.float64).mean(0) / 8.0
+    norms.append(np.sqrt(np.sum(w**2) + np.sum(b**2)))
+  expected, margin = reference(losses, norms, 6, FACTOR, kept)
+  assert margin > 1e-4 and got == expected
+  windows = {"norm": state.spikes.norms, "loss": state.spikes.losses}
+  for key, window in windows.items():  # The same on the 4 devices.
+    want = np.stack([_ring(kept[key], 6)] * 4)
+    np.testing.assert_allclose(window, want, rtol=1e-6)
