@@ -277,6 +277,7 @@ def test_off_by_default_and_stats_zero():
   assert int(jaxmp.stats(state)["spike_skips"]) == 0
 
 
+@pytest.mark.invariant
 def test_state_survives_jit_and_numpy_round_trip_bit_for_bit():
   opt = _opt()
   params = _params()
@@ -572,3 +573,33 @@ def test_pmap_with_axis_name_decides_alike():
   for key, window in windows.items():  # The same on the 4 devices.
     want = np.stack([_ring(kept[key], 6)] * 4)
     np.testing.assert_allclose(window, want, rtol=1e-6)
+
+
+@pytest.mark.invariant
+def test_orbax_round_trip_resumes_bit_for_bit(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  opt = _opt()
+  step = jax.jit(opt.update)
+  losses, grads = _series(seed=6)
+
+  def run(params, state, ts):
+    for t in ts:
+      g = _scaled(grads[t], float(state.loss_scale))
+      updates, state = step(g, state, params, loss=jnp.float32(losses[t]))
+      params = optax.apply_updates(params, updates)
+    return params, state
+
+  params = _params()
+  params, state = run(params, opt.init(params), range(30))
+  assert int(state.spikes.spike_skips) >= 1  # Windows full, a spike seen.
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
+    ckpt.wait_until_finished()
+    target = jax.eval_shape(lambda: {"params": params, "opt_state": state})
+    restored = ckpt.restore(tmp_path / "ckpt", target)
+  assert isinstance(restored["opt_state"], jaxmp.MixedPrecisionState)
+  assert _equal(restored["opt_state"].spikes, state.spikes)
+  a = run(restored["params"], restored["opt_state"], range(30, STEPS))
+  b = run(params, state, range(30, STEPS))
+  assert int(b[1].spikes.spike_skips) > int(state.spikes.spike_skips)
+  assert _equal(a, b)
