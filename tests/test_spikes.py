@@ -494,6 +494,10 @@ def test_misuse_errors():
   spiky = _opt(optax.sgd(0.1))
   with pytest.raises(ValueError, match="without spike windows"):
     spiky.update(g, plain.init(params), params)
+  # The error's recipe turns spike skipping on for an existing state.
+  old = plain.init(params)._replace(spikes=spiky.init(params).spikes)
+  _, new = spiky.update(g, old, params)
+  assert int(new.spikes.norm_count) == 1
   with pytest.raises(ValueError, match="has no skip_spikes"):
     plain.update(g, spiky.init(params), params)
   with pytest.raises(ValueError, match="window=4"):
@@ -603,3 +607,32 @@ def test_orbax_round_trip_resumes_bit_for_bit(tmp_path):
   b = run(params, state, range(30, STEPS))
   assert int(b[1].spikes.spike_skips) > int(state.spikes.spike_skips)
   assert _equal(a, b)
+
+
+def test_flax_nnx_optimizer():
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0), param_dtype=jnp.float16)
+  tx = jaxmp.mixed_precision(
+    optax.sgd(0.01),
+    loss_scale=64.0,
+    skip_spikes=jaxmp.SpikeSkip(window=4, factor=FACTOR),
+  )
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt, x):
+    loss_fn = lambda m: jnp.mean(jnp.square(m(x).astype(jnp.float32)))
+    loss, grads = jaxmp.value_and_grad(loss_fn)(model, opt.opt_state)
+    opt.update(model, grads, loss=loss)
+
+  applied = []
+  for x in [1.0, 1.1, 0.9, 1.0, 1.05, 8.0, 1.0]:  # 8.0: a spike
+    before = nnx.clone(nnx.state(model, nnx.Param))
+    step(model, opt, jnp.full((4, 3), x, jnp.float16))
+    applied.append(bool(jaxmp.stats(opt.opt_state)["step_applied"][...]))
+    if not applied[-1]:
+      assert _equal(nnx.state(model, nnx.Param), before)
+  assert applied == [True] * 5 + [False, True]
+  stats = jax.device_get(nnx.as_pure(jaxmp.stats(opt.opt_state)))
+  assert (stats["spike_skips"], stats["skipped_steps"]) == (1, 0)
+  jaxmp.check_health(opt.opt_state, step=7)
