@@ -492,7 +492,7 @@ def check_health(
 ) -> None:
   """Raises when training cannot recover: a host-side check for loops.
 
-  Call it on log steps (it fetches four scalars from the device). It stops
+  Call it on log steps (it fetches a few scalars from the device). It stops
   two things:
 
   * a non-finite loss: ``max_nonfinite_loss_steps`` or more steps in a row
