@@ -338,6 +338,10 @@ def test_composes_with_multi_steps():
     got.append(None if applied else "spike")
     if not applied:
       assert _equal(params, before)
+      # As documented: the dropped window's (finite) microbatches keep
+      # their statistics; only an overflowed microbatch's are rolled back.
+      kept = jaxmp.rollback_if_skipped(state, jnp.ones(()), jnp.zeros(()))
+      assert float(kept) == 1.0
   expected, margin = reference(seen_losses, seen_norms, WINDOW, FACTOR)
   assert margin > 1e-4
   assert {12, 20, 21} <= {t for t, e in enumerate(expected) if e}
