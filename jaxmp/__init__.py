@@ -37,6 +37,7 @@ from jaxmp._src.policy import get_preset
 from jaxmp._src.policy import Preset
 from jaxmp._src.policy import PRESETS
 from jaxmp._src.rounding import stochastic_round
+from jaxmp._src.sharding import state_shardings
 from jaxmp._src.unscaled import UnscaledGradientsWarning
 from jaxmp._src.value_and_grad import value_and_grad
 
@@ -71,6 +72,7 @@ __all__ = (
   "PRESETS",
   "rollback_if_skipped",
   "scale_loss",
+  "state_shardings",
   "stats",
   "stochastic_round",
   "UnscaledGradientsWarning",

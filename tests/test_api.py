@@ -51,6 +51,7 @@ PUBLIC = {
     "PRESETS",
     "rollback_if_skipped",
     "scale_loss",
+    "state_shardings",
     "stats",
     "stochastic_round",
     "UnscaledGradientsWarning",

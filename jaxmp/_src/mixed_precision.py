@@ -42,6 +42,7 @@ from jaxmp._src import diagnostics as diag
 from jaxmp._src import dtypes
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import master_weights as masters_lib
+from jaxmp._src import sharding as sharding_lib
 from jaxmp._src import unscaled
 
 # Re-exported: the public names live here since the first release.
@@ -333,6 +334,7 @@ def mixed_precision(
   mode = masters_lib.get_mode(master_weights, rounding_key)
   inner = optax.with_extra_args_support(inner)
 
+  @sharding_lib.placed_like_params  # Also under jit: see `sharding`.
   def init_fn(params):
     _check_params(params)
     buffers = mode.init(params)
@@ -361,6 +363,7 @@ def mixed_precision(
         "opt.update(grads, opt_state, params)"
       )
     _check_inner_state(state.inner_state)
+    sharding_lib.check_state(state, state.master_params, params, "state")
     from jaxmp._src import placement  # pylint: disable=g-import-not-at-top
 
     placement.check_chain(sys._getframe(1), update_fn.__code__)  # pylint: disable=protected-access
