@@ -307,6 +307,15 @@ def check_state(state: Any, masters: Any, params: Any, what: str) -> None:
     ValueError: naming the first leaf that differs.
   """
   params, masters = nnx_support.unwrap(params), nnx_support.unwrap(masters)
+  p_leaves, p_def = jax.tree_util.tree_flatten(params, is_leaf=_is_empty)
+  m_leaves, m_def = jax.tree_util.tree_flatten(masters, is_leaf=_is_empty)
+  if p_def == m_def and all(
+    not (_is_array(m) and _is_array(p)) or tuple(m.shape) == tuple(p.shape)
+    for m, p in zip(m_leaves, p_leaves)
+  ):
+    _check_mesh(state, params, what)
+    return
+  # Something differs: find the first leaf that does, by path.
   p_paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_empty)[0]
   m_paths = jax.tree_util.tree_flatten_with_path(masters, is_leaf=_is_empty)[0]
   p_keys = [jax.tree_util.keystr(k) for k, _ in p_paths]
@@ -333,6 +342,14 @@ def check_state(state: Any, masters: Any, params: Any, what: str) -> None:
         f"{tuple(m.shape)}, params{jax.tree_util.keystr(path)} has "
         f"{tuple(p.shape)}. Build it with opt.init(params) for these params"
       )
+  raise ValueError(  # Unreachable: the structures or a shape differ.
+    f"the optimizer state was built for another tree ({what}.master_params "
+    "differs from the params). Build it with opt.init(params)"
+  )
+
+
+def _check_mesh(state: Any, params: Any, what: str) -> None:
+  """Every state leaf on a mesh is on one of the params' meshes."""
   # The params' meshes, as a trace sees them (names and sizes) or as they
   # are outside one; leaves of the other kind (a closed-over constant) are
   # not compared.
