@@ -303,6 +303,40 @@ def test_state_shardings_match_jit_init(mode):
   assert jax.tree_util.tree_leaves(targets)[0].sharding is not None
 
 
+def test_state_shardings_as_orbax_restore_targets_on_another_mesh(tmp_path):
+  """Saved on (data 2, fsdp 2), restored bit for bit onto fsdp 4."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  params = _params(_mesh(), jnp.float16)
+  opt = jaxmp.mixed_precision(optax.adam(1e-2), master_weights="kahan")
+  state = jax.jit(opt.init)(params)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "state", state)
+  fsdp4 = jax.make_mesh((4,), ("fsdp",), axis_types=(AxisType.Auto,))
+  moved = {
+    k: jax.ShapeDtypeStruct(
+      shape, jnp.float16, sharding=NamedSharding(fsdp4, spec)
+    )
+    for k, (shape, spec) in SPECS.items()
+  }
+  shardings = jaxmp.state_shardings(opt, moved)
+  targets = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+    jax.eval_shape(opt.init, moved),
+    shardings,
+  )
+  with ocp.StandardCheckpointer() as ckpt:
+    restored = ckpt.restore(tmp_path / "state", targets)
+  assert isinstance(restored, jaxmp.MixedPrecisionState)
+  assert restored.compensation["w1"].sharding.spec == P("fsdp")
+  for got, want, sharding in zip(
+    jax.tree_util.tree_leaves(restored),
+    jax.tree_util.tree_leaves(state),
+    jax.tree_util.tree_leaves(shardings),
+  ):
+    assert got.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_state_shardings_errors():
   mesh = _mesh()
   opt = jaxmp.mixed_precision(optax.adam(1e-2))
