@@ -116,6 +116,7 @@ def make_optimizer(
     weight_decay=s.weight_decay,
     seed=s.seed,
     diagnostics=s.diagnostics,
+    skip_spikes=s.skip_spikes,
   )
 
 

@@ -126,7 +126,11 @@ def _log_step(job: Job, state, metrics, step: int, reporter) -> None:
       s.max_consecutive_skips,
       max_nonfinite_loss_steps=s.max_nonfinite_loss_steps,
     )
-  except (jaxmp.LossScaleCollapseError, jaxmp.NonFiniteLossError) as e:
+  except (
+    jaxmp.LossScaleCollapseError,
+    jaxmp.NonFiniteLossError,
+    jaxmp.SpikeStallError,
+  ) as e:
     raise TrainingError(str(e)) from None
 
 

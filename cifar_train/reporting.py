@@ -146,12 +146,14 @@ class Reporter:
     line: how many, the loss scale before and after, how many of them had a
     NaN/inf loss (the scale is not backed off for those), and, with
     diagnostics on, the leaf with the most non-finite gradient elements.
+    When steps were dropped as spikes since then (``spike_skip_window``),
+    one line says how many.
 
     Args:
       step: the global step.
       stats: `jaxmp.stats` plus ``loss`` (the last step's) and ``accuracy``
         (the epoch's so far), fetched to the host; ``nonfinite_loss_steps``
-        is optional.
+        and ``spike_skips`` are optional.
       worst_leaf: ``(path, non-finite count)`` of the last skipped step's
         worst leaf (`jaxmp.overflow_report`), or None.
     """
@@ -163,6 +165,7 @@ class Reporter:
       self._bar.set_postfix(
         scale=f"{record['loss_scale']:g}", skipped=record["skipped_steps"]
       )
+    self._report_spikes(record, int(stats.get("spike_skips", 0)), last)
     if record["skipped_since_last_log"] > 0:
       self._report_skips(record, last, worst_leaf)
     self.steps.append(record)
@@ -174,6 +177,22 @@ class Reporter:
       self._tb.add_scalar("skipped_steps", record["skipped_steps"], step)
       self._tb.add_scalar(
         "skipped_since_last_log", record["skipped_since_last_log"], step
+      )
+
+  def _report_spikes(self, record: dict, spikes: int, last: Optional[dict]):
+    """Prints how many steps were dropped as spikes since the last log step.
+
+    ``record`` keeps the count once spike skipping has dropped any step.
+    """
+    if not spikes and not (last and "spike_skips" in last):
+      return
+    record["spike_skips"] = spikes
+    new = spikes - (last.get("spike_skips", 0) if last else 0)
+    if new > 0:
+      step, prev_step = record["step"], last["step"] if last else 0
+      self._write_line(
+        f"Step {step}: dropped {new} of steps {prev_step + 1}-{step} as "
+        "loss or gradient-norm spikes"
       )
 
   def _report_skips(

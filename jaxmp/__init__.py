@@ -20,6 +20,7 @@ from jaxmp._src.transform.accessors import NonFiniteLossError
 from jaxmp._src.transform.accessors import overflow_report
 from jaxmp._src.transform.accessors import rollback_if_skipped
 from jaxmp._src.transform.accessors import scale_loss
+from jaxmp._src.transform.accessors import SpikeStallError
 from jaxmp._src.transform.accessors import stats
 from jaxmp._src.autocast.regions import autocast
 from jaxmp._src.autocast.regions import no_autocast
@@ -39,6 +40,8 @@ from jaxmp._src.presets.policy import get_preset
 from jaxmp._src.presets.policy import Preset
 from jaxmp._src.presets.policy import PRESETS
 from jaxmp._src.transform.rounding import stochastic_round
+from jaxmp._src.spikes import SpikeSkip
+from jaxmp._src.sharding import state_shardings
 from jaxmp._src.scaling.unscaled import UnscaledGradientsWarning
 from jaxmp._src.transform.value_and_grad import value_and_grad
 
@@ -73,6 +76,9 @@ __all__ = (
   "PRESETS",
   "rollback_if_skipped",
   "scale_loss",
+  "SpikeSkip",
+  "SpikeStallError",
+  "state_shardings",
   "stats",
   "stochastic_round",
   "UnscaledGradientsWarning",
