@@ -40,8 +40,8 @@ from jaxmp._src.presets.policy import get_preset
 from jaxmp._src.presets.policy import Preset
 from jaxmp._src.presets.policy import PRESETS
 from jaxmp._src.transform.rounding import stochastic_round
-from jaxmp._src.spikes import SpikeSkip
-from jaxmp._src.sharding import state_shardings
+from jaxmp._src.scaling.spikes import SpikeSkip
+from jaxmp._src.transform.sharding import state_shardings
 from jaxmp._src.scaling.unscaled import UnscaledGradientsWarning
 from jaxmp._src.transform.value_and_grad import value_and_grad
 

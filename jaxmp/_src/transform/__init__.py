@@ -4,6 +4,7 @@
 * ``master_weights``, ``rounding``: one object per master-weights mode, and
   the stochastic and Kahan rounding they use.
 * ``accumulation``: ``multi_steps``, gradient accumulation around it.
+* ``sharding``: ``state_shardings``, the state placed like the params.
 * ``placement``: where ``mixed_precision`` sits, checked at trace time (it
   is handed the state types and imports neither transform).
 * ``accessors``: ``scale_loss``, ``loss_scaler``, ``stats``, ``find_state``...

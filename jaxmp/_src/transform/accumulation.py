@@ -30,7 +30,7 @@ import optax
 
 from jaxmp._src.transform import mixed_precision as mp
 from jaxmp._src.transform import placement
-from jaxmp._src import sharding as sharding_lib
+from jaxmp._src.transform import sharding as sharding_lib
 
 
 class AccumulationState(NamedTuple):

@@ -45,8 +45,8 @@ from jaxmp._src import dtypes
 from jaxmp._src.scaling import loss_scale as loss_scale_lib
 from jaxmp._src.transform import master_weights as masters_lib
 from jaxmp._src.transform import placement
-from jaxmp._src import spikes as spikes_lib
-from jaxmp._src import sharding as sharding_lib
+from jaxmp._src.scaling import spikes as spikes_lib
+from jaxmp._src.transform import sharding as sharding_lib
 from jaxmp._src.scaling import unscaled
 
 # Re-exported: the public names live here since the first release.

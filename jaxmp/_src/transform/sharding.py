@@ -49,7 +49,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from jaxmp._src import master_weights as masters_lib
+from jaxmp._src.transform import master_weights as masters_lib
 from jaxmp._src import nnx_support
 
 _is_empty = masters_lib.is_empty
