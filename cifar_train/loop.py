@@ -48,10 +48,11 @@ from cifar_train import startup
 from cifar_train import steps
 from cifar_train.errors import TrainingError
 
-# The set-up steps live in `cifar_train.job_setup`; `train` calls them by
-# these names (tests replace them here), and scripts reach them as
-# ``loop.<name>``.
+# The set-up steps live in `cifar_train.job_setup`, and every public name
+# of it is here too: `train` calls them by these names (tests replace them
+# here), and scripts reach them as ``loop.<name>``.
 from cifar_train.job_setup import auto_steps_per_call as auto_steps_per_call
+from cifar_train.job_setup import calibrate as calibrate
 from cifar_train.job_setup import compile_ahead
 from cifar_train.job_setup import compile_steps
 from cifar_train.job_setup import (
@@ -63,6 +64,10 @@ from cifar_train.job_setup import load_data as load_data
 from cifar_train.job_setup import make_batch_source
 from cifar_train.job_setup import make_eval_source
 from cifar_train.job_setup import make_init
+from cifar_train.job_setup import make_optimizer as make_optimizer
+from cifar_train.job_setup import (
+  MAX_AUTO_STEPS_PER_CALL as MAX_AUTO_STEPS_PER_CALL,
+)
 from cifar_train.job_setup import place_splits as place_splits
 from cifar_train.job_setup import restore
 from cifar_train.job_setup import set_up
