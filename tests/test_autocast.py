@@ -484,6 +484,41 @@ def test_cond_and_switch_branches_are_rewritten(pred):
   assert_matches_fp32(g, f, (W, X), 2 * (3 + 3 + 32 + 8) * 4, argnums=0)
 
 
+def test_loop_carry_from_a_product_keeps_its_traced_dtype():
+  # The carry starts from x @ w, which autocast makes fp16: the traced
+  # carry is fp32, so the loops' carries (and outputs) stay fp32.
+  def f(w, x):
+    c, _ = lax.scan(lambda c, xi: (c + xi, None), x @ w, jnp.ones((2, 4)))
+    d = lax.while_loop(
+      lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] * 0.5), (0, x @ w)
+    )
+    e = lax.fori_loop(0, 2, lambda i, c: c + 1.0, x @ w)
+    return c, d[1], e
+
+  outs = jaxmp.autocast(f)(W, X)
+  assert [str(o.dtype) for o in outs] == ["float32"] * 3
+  jp = jax.make_jaxpr(jaxmp.autocast(f))(W, X)
+  assert_all_half(jp)
+  for loop in eqns(jp, "scan") + eqns(jp, "while"):
+    assert "float16" not in [str(v.aval.dtype) for v in loop.outvars]
+
+
+def test_cond_and_switch_output_is_widest_with_the_half_branch_first():
+  # lax.cond lists its branches (false, true): here the half branch (a @ w)
+  # is branches[0] and the fp32 one (exp) second, in both primitives.
+  def f(w, x):
+    y = lax.cond(False, lambda a: jnp.exp(a @ w), lambda a: a @ w, x)
+    z = lax.switch(1, [lambda a: a @ w, lambda a: jnp.exp(a @ w)], x)
+    return y, z
+
+  for c in eqns(jax.make_jaxpr(f)(W, X), "cond"):  # as traced
+    assert [len(eqns(b, "exp")) for b in c.params["branches"]] == [0, 1]
+  conds = eqns(jax.make_jaxpr(jaxmp.autocast(f))(W, X), "cond")
+  assert [str(c.outvars[0].aval.dtype) for c in conds] == ["float32"] * 2
+  y, z = jaxmp.autocast(f)(W, X)
+  assert y.dtype == z.dtype == F32
+
+
 def test_remat_body_is_rewritten():
   def f(w, x, act=jnp.tanh):
     h = jax.checkpoint(lambda a: act(a @ w))(x)
