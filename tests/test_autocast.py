@@ -206,6 +206,73 @@ def test_float32_row(name):
   assert g(W, X).dtype == F32, name
 
 
+# Inputs whose fp16 products are exact: multiples of 1/8 (|x| <= 1.5,
+# |w| <= 1), so every partial sum of x @ w is a multiple of 1/64 below
+# 3 * 1.5 * 1 = 4.5, that is an integer below 288 < 2**11 times 1/64:
+# representable in fp16, whatever the order of the sums. Their products
+# (1/64 apart) carry more digits than fp16 keeps once squared, exponentiated
+# or summed.
+WE = jnp.asarray(np.arange(12).reshape(3, 4) % 9 - 4, F32) / 4 + 1 / 8
+XE = (jnp.asarray(np.arange(24).reshape(8, 3) * 5 % 13 - 6, F32) / 4) + 0.125
+U32 = 2.0**-24
+
+
+def assert_fp16_exact_products(x, w):
+  """Asserts that fp16 computes ``x @ w`` exactly (see WE, XE)."""
+  for a in (x, w):
+    a = np.asarray(a, np.float64)
+    assert np.array_equal(a, a.astype(np.float16)), "not fp16 values"
+    assert np.array_equal(a * 8, np.round(a * 8)), "not multiples of 1/8"
+  assert (np.abs(np.asarray(x)) @ np.abs(np.asarray(w))).max() * 64 < 2**11
+
+
+def test_float32_list_values_round_as_fp32():
+  # A value test of the fp32 row: on inputs whose fp16 products are exact,
+  # every fp32-listed op sees the same input as in fp32, so autocast must
+  # match fp32 within fp32 rounding (a few ulps for an elementwise op, the
+  # term count for sums). The same ops computed in fp16 (even cast back to
+  # fp32) are off by up to 2**-12 relative: 2**11 times more.
+  assert_fp16_exact_products(XE, WE)
+  z = np.abs(np.asarray(XE @ WE, np.float64))
+  sum_abs = {
+    "reduce_sum": (z + 1000).sum(),
+    "cumsum": np.cumsum(z + 1000, axis=0),
+    "cumlogsumexp": 1.0 + z.max(),  # |log-sum-exp| <= max z + log 8
+  }
+  terms = {"reduce_sum": 32, "reduce_prod": 32}
+  # _FP32_OPS reaches these through tanh (a half op, rounded in fp16): here
+  # through h / 8, exact in fp16 (|h / 8| < 0.5625, multiples of 1/512).
+  # Sums of h + 1000 (fp32, exact): about 32,000 in steps of 1/64, which
+  # fp32 sums exactly and fp16 cannot hold.
+  big = jnp.float32(1000.0)
+  ops = dict(
+    _FP32_OPS,
+    reduce_sum=lambda h: jnp.sum(h + big),
+    cumsum=lambda h: jnp.cumsum(h + big, axis=0),
+    asin=lambda h: jnp.arcsin(h / 8),
+    acos=lambda h: jnp.arccos(h / 8),
+    atanh=lambda h: jnp.arctanh(h / 8),
+    erf_inv=lambda h: lax.erf_inv(h / 8),
+  )
+
+  def f(w, x):
+    return {name: op(x @ w) for name, op in ops.items()}
+
+  got = jaxmp.autocast(f)(WE, XE)
+  want = jax.jit(f)(WE, XE)
+  caught = []
+  for name in ops:
+    ref = np.asarray(want[name], np.float64)
+    assert np.all(np.isfinite(ref)), name
+    n = terms.get(name, 8)  # elementwise: a few ulps; cum*: 8 terms
+    tol = 2 * (n + 2) * U32 * sum_abs.get(name, np.abs(ref))
+    err = np.abs(np.asarray(got[name], np.float64) - ref)
+    if not np.all(err <= tol):
+      caught.append((name, float(err.max()), float(np.max(tol))))
+  names = " ".join(c[0] for c in caught)
+  assert not caught, f"beyond fp32 rounding: {names} ({caught})"
+
+
 def test_widest_input_row():
   b32 = jnp.ones((4,), F32)
 
