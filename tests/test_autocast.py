@@ -21,6 +21,7 @@ from jaxmp._src import autocast as ac
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 U = {jnp.dtype(F16): 2.0**-11, jnp.dtype(BF16): 2.0**-8}
+U32 = 2.0**-24  # fp32's unit roundoff: the fp32-listed ops
 
 
 def _subjaxprs(params):
@@ -99,6 +100,7 @@ def matmul_tol(a, b, dtype=F16):
 
 W = jnp.linspace(-1.0, 1.0, 12, dtype=F32).reshape(3, 4)
 X = jnp.linspace(-2.0, 2.0, 24, dtype=F32).reshape(8, 3) ** 3
+ZMAX = float((np.abs(np.asarray(X)) @ np.abs(np.asarray(W))).max())  # |x||w|
 
 
 # ---------------------------------------------------------------------------
@@ -214,7 +216,6 @@ def test_float32_row(name):
 # or summed.
 WE = jnp.asarray(np.arange(12).reshape(3, 4) % 9 - 4, F32) / 4 + 1 / 8
 XE = (jnp.asarray(np.arange(24).reshape(8, 3) * 5 % 13 - 6, F32) / 4) + 0.125
-U32 = 2.0**-24
 
 
 def assert_fp16_exact_products(x, w):
@@ -438,24 +439,48 @@ def _ident(z):
   return z
 
 
-def assert_matches_fp32(g, f, args, count, argnums=None):
+def assert_matches_fp32(g, f, args, n16, n32, argnums=None, grad=None):
   """Values (and gradients) of ``g = autocast(f)`` within rounding of fp32.
 
   ``f`` takes ``act`` (tanh); ``f(act=identity)`` on ``|args|`` bounds the
   sum of |terms| of each output, and its gradient that of each gradient
-  entry (|tanh z| <= |z|, 0 < tanh' <= 1; exp is its own bound). ``count``
-  bounds the roundings along any path: ``count * u`` per term.
+  entry (|tanh z| <= |z|, 0 < tanh' <= 1; exp is its own bound). Along any
+  path a term meets at most ``n16`` fp16 roundings (the policy's half
+  products, ``K + 3`` for a sum of ``K`` products, and half pointwise ops)
+  and ``n32`` fp32 ones (sums of ``n`` terms count ``n``, transcendentals a
+  few each): ``n16 * 2**-11 + n32 * 2**-24`` per term. ``grad`` is
+  ``(n16, n32)`` of the gradient's paths (forward and backward).
   """
-  c = count * U[jnp.dtype(F16)]
+  c = n16 * U[jnp.dtype(F16)] + n32 * U32
   f_abs = functools.partial(f, act=_ident)
   abs_args = [jnp.abs(a) for a in args]
   assert_within(g(*args), f(*args), c * f_abs(*abs_args))
   if argnums is not None:
+    c = grad[0] * U[jnp.dtype(F16)] + grad[1] * U32
     assert_within(
       jax.grad(g, argnums)(*args),
       jax.grad(f, argnums)(*args),
       c * jax.grad(f_abs, argnums)(*abs_args),
     )
+
+
+def assert_exact_products_match_fp32(f, n32):
+  """``autocast(f)`` with ``act`` the identity, within fp32 rounding.
+
+  On WE + 1 and XE + 1.5 (positive multiples of 1/8, below 2.125 and
+  3.125) the fp16 products are exact (`assert_fp16_exact_products`: below
+  3 * 3.125 * 2.125 < 20, in steps of 1/64) and ``f``'s other half ops (adds
+  of Python scalars) stay on fp16's grid, so only the fp32-listed ops round,
+  as in fp32: both sides within ``n32 * 2**-24`` per term. A sum of 32 such
+  products (about 300) keeps its 1/64 steps in fp32; fp16 keeps 1/4 there,
+  and rounds exp's results to 2**-11 relative (or overflows).
+  """
+  w, x = WE + 1, XE + 1.5
+  assert_fp16_exact_products(x, w)
+  f_id = functools.partial(f, act=_ident)
+  got = jaxmp.autocast(f_id)(w, x)
+  want = jax.jit(f_id)(w, x)
+  assert_within(got, want, 2 * n32 * U32 * f_id(w, x))
 
 
 def test_jit_inside_is_rewritten_and_keeps_its_name():
@@ -507,9 +532,15 @@ def test_scan_body_is_rewritten_and_carry_keeps_its_dtype():
   assert_all_half(jax.make_jaxpr(jax.grad(g))(W, X))
   (scan,) = eqns(jax.make_jaxpr(g)(W, X), "scan")
   assert [str(v.aval.dtype) for v in scan.outvars] == ["float32", "float16"]
-  # Sums of 3 (x @ w), 8 (the carry) and 32 (the outputs); twice for the
-  # backward pass, plus casts.
-  assert_matches_fp32(g, f, (W, X), 2 * (3 + 8 + 32) + 8, argnums=0)
+  # Half: x @ w (3 + 3) and tanh; fp32: the carry's 8 adds, the sums of 4
+  # and 32 terms, their add. Backward: tanh' in half (3 ops; it moves by
+  # |tanh''| <= 0.77 times z's error 6u ZMAX: 5 ZMAX), the outer product
+  # (1 + 3), and 8 fp32 adds of the weight's gradient.
+  assert_matches_fp32(
+    g, f, (W, X), 7, 45, argnums=0, grad=(7 + 3 + 4 + 5 * ZMAX, 54)
+  )
+  # With exact products, only the fp32 sums round.
+  assert_exact_products_match_fp32(f, 45)
 
 
 def test_while_loop_body_is_rewritten():
@@ -524,8 +555,8 @@ def test_while_loop_body_is_rewritten():
   assert_all_half(jax.make_jaxpr(g)(W, X))
   out = g(W, X)
   assert out.dtype == F32  # the carry keeps its traced dtype
-  # Three trips of two products (sums of 3 and 4 terms) and 4 casts each.
-  assert_matches_fp32(g, f, (W, X), 3 * (3 + 4 + 4))
+  # Three trips of two half products (3 + 3 and 4 + 3) and a half tanh.
+  assert_matches_fp32(g, f, (W, X), 3 * (6 + 7 + 1), 0)
 
 
 @pytest.mark.parametrize("pred", [True, False])
@@ -546,9 +577,16 @@ def test_cond_and_switch_branches_are_rewritten(pred):
     "float32",
     "float16",
   ]
-  # Products of 3 terms, exp (relative error |z| e for an error e of z),
-  # sums of 32 terms; twice for the backward pass.
-  assert_matches_fp32(g, f, (W, X), 2 * (3 + 3 + 32 + 8) * 4, argnums=0)
+  # z = a @ w in half (3 + 3 roundings of |z| <= ZMAX), exp in fp32 (its
+  # relative error is z's absolute error, 6u ZMAX, plus a few fp32 ulps), the
+  # half add of 1.0, fp32 sums of 32 terms. Backward: the half product
+  # a^T (ct exp z) (8 + 3).
+  n16 = 6 * (1 + ZMAX) + 1
+  assert_matches_fp32(
+    g, f, (W, X), n16, 4 + 32 + 32 + 1, argnums=0, grad=(n16 + 11, 8)
+  )
+  # With exact products, only exp and the fp32 sums round.
+  assert_exact_products_match_fp32(f, 4 + 32 + 32 + 1)
 
 
 def test_loop_carry_from_a_product_keeps_its_traced_dtype():
@@ -595,7 +633,12 @@ def test_remat_body_is_rewritten():
   jp = jax.make_jaxpr(jax.grad(g))(W, X)
   assert eqns(jp, "remat2") or eqns(jp, "checkpoint")
   assert_all_half(jp)
-  assert_matches_fp32(g, f, (W, X), 2 * (3 + 4 + 24) + 8, argnums=0)
+  # Half: a @ w (3 + 3), tanh, h @ w.T (4 + 3); fp32: the sum of 24 terms.
+  # Backward: dh = 1 @ w (3 + 3), tanh' (3, and 5 ZMAX as in the scan
+  # test), a^T dz (8 + 3), and h^T 1 (8 + 3) for the other use of w.
+  assert_matches_fp32(
+    g, f, (W, X), 14, 25, argnums=0, grad=(7 + 6 + 3 + 11 + 5 * ZMAX, 26)
+  )
 
 
 @jax.custom_vjp
@@ -669,7 +712,8 @@ def test_shard_map_with_psum_inside():
   )
   assert_all_half(jp)
   assert_all_half(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(g(w, X))))(W))
-  assert_matches_fp32(g, f, (W, X), 3 + 3 + 8 + 4)
+  # Half: xs @ w (3 + 3) and tanh; fp32: sums of 2 rows, psum of 4.
+  assert_matches_fp32(g, f, (W, X), 7, 7)
 
 
 def test_autocast_inside_shard_map():
@@ -687,7 +731,11 @@ def test_autocast_inside_shard_map():
     return jnp.mean(act(x @ w))
 
   assert jax.grad(f)(W, X).dtype == F32
-  assert_matches_fp32(f, ref, (W, X), 2 * (3 + 32) + 8, argnums=0)
+  # Half: x @ w (3 + 3), tanh; fp32: means of 8 and pmean of 4. Backward:
+  # tanh' (3, and 5 ZMAX), x^T dz (2 + 3), psum of the 4 devices' dW.
+  assert_matches_fp32(
+    f, ref, (W, X), 7, 14, argnums=0, grad=(7 + 3 + 5 + 5 * ZMAX, 18)
+  )
 
 
 def test_nested_autocast_keeps_its_dtype():

@@ -330,6 +330,11 @@ def run_scan(eqn: Eqn, args, body: Body) -> list:
   return [*carry, *ys]
 
 
+def scan_counts(eqn: Eqn) -> tuple[int, int]:
+  """(num_consts, num_carry) of a ``scan`` equation."""
+  return _scan_counts(eqn.params, len(eqn.invars))
+
+
 def _scan_counts(p: dict, n: int) -> tuple[int, int]:
   """(num_consts, num_carry) of a scan: params on jax 0.10, ``ft_in`` on 0.11."""
   if "num_consts" in p:
