@@ -218,13 +218,19 @@ WE = jnp.asarray(np.arange(12).reshape(3, 4) % 9 - 4, F32) / 4 + 1 / 8
 XE = (jnp.asarray(np.arange(24).reshape(8, 3) * 5 % 13 - 6, F32) / 4) + 0.125
 
 
-def assert_fp16_exact_products(x, w):
-  """Asserts that fp16 computes ``x @ w`` exactly (see WE, XE)."""
-  for a in (x, w):
+def assert_fp16_exact_products(x, w, qx=1 / 8, qw=1 / 8):
+  """Asserts that fp16 computes ``x @ w`` exactly, in any order.
+
+  ``x`` and ``w`` are multiples of ``qx`` and ``qw`` that fp16 holds, and
+  ``|x| @ |w| < 2**11 qx qw``: every partial sum is an integer below 2**11
+  times ``qx qw``, which fp16 holds.
+  """
+  for a, q in ((x, qx), (w, qw)):
     a = np.asarray(a, np.float64)
     assert np.array_equal(a, a.astype(np.float16)), "not fp16 values"
-    assert np.array_equal(a * 8, np.round(a * 8)), "not multiples of 1/8"
-  assert (np.abs(np.asarray(x)) @ np.abs(np.asarray(w))).max() * 64 < 2**11
+    assert np.array_equal(a / q, np.round(a / q)), f"not multiples of {q}"
+  zabs = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))
+  assert zabs.max() < 2**11 * qx * qw
 
 
 def test_float32_list_values_round_as_fp32():
@@ -464,23 +470,34 @@ def assert_matches_fp32(g, f, args, n16, n32, argnums=None, grad=None):
     )
 
 
-def assert_exact_products_match_fp32(f, n32):
-  """``autocast(f)`` with ``act`` the identity, within fp32 rounding.
+# Positive inputs whose fp16 products are exact (multiples of 1/16 and
+# 1/8, |x| @ |w| < 14.3: below 2**11 / 128), whose sum (153.18 in steps of
+# 1/128) fp16 cannot hold (its steps are 1/8 there).
+XP = (
+  jnp.asarray(
+    [[40, 13, 6], [15, 20, 39], [22, 5, 16], [29, 39, 35]]
+    + [[47, 9, 42], [3, 27, 13], [10, 31, 15], [27, 13, 8]],
+    F32,
+  )
+  / 16
+)
+WP = jnp.asarray([[10, 6, 9, 9], [13, 6, 3, 9], [13, 13, 12, 9]], F32) / 8
 
-  On WE + 1 and XE + 1.5 (positive multiples of 1/8, below 2.125 and
-  3.125) the fp16 products are exact (`assert_fp16_exact_products`: below
-  3 * 3.125 * 2.125 < 20, in steps of 1/64) and ``f``'s other half ops (adds
-  of Python scalars) stay on fp16's grid, so only the fp32-listed ops round,
-  as in fp32: both sides within ``n32 * 2**-24`` per term. A sum of 32 such
-  products (about 300) keeps its 1/64 steps in fp32; fp16 keeps 1/4 there,
-  and rounds exp's results to 2**-11 relative (or overflows).
+
+def assert_exact_products_match_fp32(f, n32):
+  """``autocast(f)(WP, XP)`` with ``act`` the identity, within fp32 rounding.
+
+  On WP, XP the fp16 products are exact, and ``f``'s other half ops (adds
+  of Python scalars) stay on fp16's grid, so only the fp32-listed ops
+  round, as in fp32: both sides within ``n32 * 2**-24`` per term. Computed
+  in fp16, a sum of the products (about 150, in steps of 1/128) would lose
+  its last 4 bits, and exp's results 2**-12 relative.
   """
-  w, x = WE + 1, XE + 1.5
-  assert_fp16_exact_products(x, w)
+  assert_fp16_exact_products(XP, WP, 1 / 16, 1 / 8)
   f_id = functools.partial(f, act=_ident)
-  got = jaxmp.autocast(f_id)(w, x)
-  want = jax.jit(f_id)(w, x)
-  assert_within(got, want, 2 * n32 * U32 * f_id(w, x))
+  got = jaxmp.autocast(f_id)(WP, XP)
+  want = jax.jit(f_id)(WP, XP)
+  assert_within(got, want, 2 * n32 * U32 * f_id(WP, XP))
 
 
 def test_jit_inside_is_rewritten_and_keeps_its_name():
