@@ -847,12 +847,15 @@ def test_flax_linen_batchnorm_statistics_update():
       return nn.Dense(2)(nn.relu(x))
 
   net = Net()
-  v = net.init(jax.random.key(0), X, train=False)
+  v = net.init(jax.random.key(0), XP, train=False)
+  # The first kernel WP: its fp16 products with XP are exact, so only the
+  # statistics' own (fp32) sums and squares round.
+  v["params"]["Dense_0"]["kernel"] = WP
   f = jaxmp.autocast(net.apply)
-  y, upd = f(v, X, train=True, mutable=["batch_stats"])
-  y32, upd32 = net.apply(v, X, train=True, mutable=["batch_stats"])
+  y, upd = f(v, XP, train=True, mutable=["batch_stats"])
+  y32, upd32 = net.apply(v, XP, train=True, mutable=["batch_stats"])
   assert y.dtype == F32  # half product + fp32 bias
-  tol = _stats_tol(v["params"]["Dense_0"]["kernel"], momentum=0.5)
+  tol = _stats_tol(XP, WP, momentum=0.5)
   for a, b, old in zip(
     jax.tree.leaves(upd),
     jax.tree.leaves(upd32),
@@ -863,7 +866,7 @@ def test_flax_linen_batchnorm_statistics_update():
     assert_within(a, b, tol)  # ...as in fp32
 
   def loss(params):
-    out, _ = f({**v, "params": params}, X, train=True, mutable=["batch_stats"])
+    out, _ = f({**v, "params": params}, XP, train=True, mutable=["batch_stats"])
     return jnp.mean(out**2)
 
   grads = jax.grad(loss)(v["params"])
@@ -871,17 +874,22 @@ def test_flax_linen_batchnorm_statistics_update():
   assert_all_half(jax.make_jaxpr(jax.grad(loss))(v["params"]))
 
 
-def _stats_tol(kernel, momentum):
-  """Bound on the error of BatchNorm's running mean/var of ``X @ kernel``.
+def _stats_tol(x, kernel, momentum):
+  """Bound on the error of BatchNorm's running mean/var of ``x @ kernel``.
 
-  h = X @ kernel (+ a zero bias) is off by at most e = (3 + 3) u |X| |kernel|
-  per element; the mean by e, the variance E[h^2] - E[h]^2 by 4 e max|h| + 2
-  e^2 (both reductions run in fp32: their own rounding is 2**-24 per term,
-  negligible next to u); a running statistic takes (1 - momentum) of it.
+  Its fp16 products are exact (`assert_fp16_exact_products`), and so is the
+  zero bias's fp32 add: h is fp32's h. The statistics run in fp32, as in
+  fp32, over the n = 8 rows: the mean within (n + 1) 2**-24 of max |h|, the
+  variance E[h^2] - E[h]^2 within (2 (n + 2) + 2) 2**-24 of max h^2; the
+  running statistic takes (1 - momentum) of it, plus 2 roundings of its
+  own (below max h^2 + max |h|). Both sides round: twice that. fp16 sums or
+  squares would be off by up to 2**-12 of max h^2.
   """
-  habs = np.abs(np.asarray(X)) @ np.abs(np.asarray(kernel))
-  e = float((3 + 3) * U[jnp.dtype(F16)] * habs.max())
-  return (1 - momentum) * (4 * e * float(habs.max()) + 2 * e * e + e)
+  assert_fp16_exact_products(x, kernel, 1 / 16, 1 / 8)
+  hmax = float((np.abs(np.asarray(x)) @ np.abs(np.asarray(kernel))).max())
+  n = x.shape[0]
+  big = hmax * hmax + hmax
+  return 2 * U32 * ((1 - momentum) * (2 * (n + 2) + 2 + n + 1) + 2) * big
 
 
 def test_flax_nnx_split_merge_keeps_batchnorm_updates():
@@ -890,6 +898,7 @@ def test_flax_nnx_split_merge_keeps_batchnorm_updates():
     nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
     nnx.BatchNorm(4, momentum=0.5, rngs=nnx.Rngs(0)),
   )
+  model.layers[0].kernel[...] = WP  # exact fp16 products with XP
   graphdef, state = nnx.split(model)
   old = [np.array(a) for a in jax.tree.leaves(state)]
 
@@ -898,9 +907,9 @@ def test_flax_nnx_split_merge_keeps_batchnorm_updates():
     y = m(x)
     return y, nnx.state(m)  # the new state carries the BatchNorm updates
 
-  y, new_state = jaxmp.autocast(forward)(state, X)
+  y, new_state = jaxmp.autocast(forward)(state, XP)
   # An eager nnx.merge shares the state's variables: run fp32 on a copy.
-  y32, new_state32 = forward(jax.tree.map(jnp.array, state), X)
+  y32, new_state32 = forward(jax.tree.map(jnp.array, state), XP)
   assert y.dtype == F32
   means = [
     (a, b, old)
@@ -911,13 +920,13 @@ def test_flax_nnx_split_merge_keeps_batchnorm_updates():
     )
   ]
   moved = 0
-  tol = _stats_tol(state["layers"][0]["kernel"][...], momentum=0.5)
+  tol = _stats_tol(XP, state["layers"][0]["kernel"][...], momentum=0.5)
   for a, b, old in means:
     assert a.dtype == b.dtype
     assert_within(a, b, tol)
     moved += float(jnp.max(jnp.abs(b - old))) > 0.1
   assert moved == 2  # mean and var
-  assert_all_half(jax.make_jaxpr(jaxmp.autocast(forward))(state, X))
+  assert_all_half(jax.make_jaxpr(jaxmp.autocast(forward))(state, XP))
 
 
 def test_equinox_mlp_without_edits():
