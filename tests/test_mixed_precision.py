@@ -571,6 +571,7 @@ class TestMastersAndSkips:
     masters = jaxmp.master_params(state)
     assert masters["w"].dtype == jnp.float32
 
+  @pytest.mark.invariant
   def test_small_half_gradients_are_unscaled_exactly_in_fp32(self):
     # Gradients of about 1e-6 and below 2**-24 (fp16's smallest subnormal),
     # scaled by 2**15 into fp16's normal range. Unscaled in fp32 (an fp16
