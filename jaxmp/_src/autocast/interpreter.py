@@ -142,7 +142,11 @@ class Interpreter:
     elif k == "cond":
       outs = ji.run_cond(eqn, invals, self._body(inweak[1:]), rules.unify)
     elif k == "scan":
-      outs = ji.run_scan(eqn, invals, self._body(inweak))
+      # A carry changes from trip to trip: never weak, even from a weak
+      # init (jnp.zeros), or an fp32 accumulator would add in half.
+      nc, nk = ji.scan_counts(eqn)
+      weak = [w and not nc <= i < nc + nk for i, w in enumerate(inweak)]
+      outs = ji.run_scan(eqn, invals, self._body(weak))
     elif k == "while":
       outs = ji.run_while(eqn, invals, self._body())
     elif k == "shard_map":
