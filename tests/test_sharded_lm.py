@@ -1,0 +1,185 @@
+"""``examples/sharded_lm.py`` at tiny size, run as a user runs it.
+
+The example needs 8 devices and this process has 4, so each test reads the
+JSON of a run in a subprocess (one 1-process run shared by the module, at
+the suite's XLA flags, and one run of 2 `jax.distributed` processes with 4
+CPU devices each over loopback). The model is one block deep; 6 steps with
+a checkpoint at step 3, bf16 params under autocast with fp32 masters.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _helpers import FAST_COMPILE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "sharded_lm.py")
+TINY = ["--depth", "1", "--steps", "6", "--save-at", "3"]
+FSDP = 4  # The run's mesh is ("data", "fsdp") = (2, 4).
+TOKENS = 16 * 32  # --batch-size x --length: the terms of each loss's mean.
+BF16_UNIT = 2.0**-8  # the spacing of bfloat16 numbers in [1, 2)
+F32_UNIT = 2.0**-23
+
+
+def _run(tmp_path, name: str, *extra: str, devices: int = 8) -> dict:
+  """Runs the example with ``extra`` arguments; its JSON results."""
+  flags = [f"--xla_force_host_platform_device_count={devices}"]
+  if os.environ.get("JAXMP_DEFAULT_XLA_FLAGS") != "1":
+    flags.append(FAST_COMPILE)
+  out = tmp_path / f"{name}.json"
+  env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, EXAMPLE, *TINY, "--out", str(out), *extra],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  with open(out) as f:
+    return dict(json.load(f), stdout=proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+  return _run(tmp_path_factory.mktemp("sharded_lm"), "one")
+
+
+def _drift_tolerance(losses: list[float]) -> list[float]:
+  """How far two bf16 runs that sum in different orders may drift, by step.
+
+  Step 1 starts from the same params: the two losses differ by the order of
+  the mean over ``TOKENS`` fp32 terms (at most ``TOKENS`` units of fp32
+  each) and by bf16 roundings of products that land on the other side of a
+  rounding boundary. Every update is computed from bf16 gradients that the
+  two runs reduce in different orders, one bf16 unit apart; a relative
+  perturbation ``e`` of an update moves the next loss by about ``e`` times
+  the loss change that update makes (first order). So step ``t`` may be off
+  by ``TOKENS`` fp32 units of its loss plus one bf16 unit of each earlier
+  change of the loss; a margin of 4 covers Adam's two moments and the
+  second-order rest. A wrong batch, init or update moves a loss by far more
+  (the losses fall by ~0.2 a step).
+  """
+  out, drift = [], 0.0
+  for t, loss in enumerate(losses):
+    if t:
+      drift += BF16_UNIT * abs(loss - losses[t - 1])
+    out.append(4 * (TOKENS * F32_UNIT * loss + drift))
+  return out
+
+
+def test_sharded_losses_are_one_devices_within_rounding(one_process):
+  sharded, single = one_process["losses"], one_process["unsharded"]
+  assert len(sharded) == len(single) == 6
+  # Training runs: the loss falls from ln(256) = 5.55 and beyond.
+  assert single[-1] < single[0] - 0.5, single
+  tolerance = _drift_tolerance(single)
+  for t, (a, b, tol) in enumerate(zip(sharded, single, tolerance), 1):
+    assert abs(a - b) <= tol, (t, a, b, tol)
+
+
+def test_each_device_holds_a_fsdp_th_of_the_state(one_process):
+  """Per device: 1/4 of every sharded leaf plus the replicated ones.
+
+  Replicated by the example's rules: the head's bias (256 values: bf16
+  param, fp32 master, two fp32 moments) and the scalars (loss scale,
+  counters, Adam's count: under 64 bytes). Each device holds
+  ``sharded / 4 + replicated`` of ``whole = sharded + replicated``.
+  """
+  replicated = {
+    "params": 256 * 2,
+    "masters": 256 * 4,
+    "moments": 256 * 8 + 64,
+    "opt_state": 256 * 12 + 64,
+  }
+  for name, (whole, device) in one_process["bytes"].items():
+    assert whole > 0, name
+    assert whole <= FSDP * device <= whole + (FSDP - 1) * replicated[name], (
+      name,
+      whole,
+      device,
+    )
+  # The state: masters and moments, 6x the bf16 params' bytes.
+  whole_state = one_process["bytes"]["opt_state"][0]
+  assert whole_state >= 6 * one_process["bytes"]["params"][0]
+
+
+@pytest.mark.invariant
+def test_restore_onto_another_mesh_is_bit_equal_and_resumes_alike(
+  one_process,
+):
+  r = one_process
+  assert (r["mesh"], r["restore_mesh"]) == ("2,4", "4,2")
+  assert r["restored_placed"]
+  assert r["restored_fingerprint"] == r["saved_fingerprint"]
+  # From the checkpoint, as from the same state moved in memory: bit for bit.
+  assert r["resumed"] == r["in_memory"]
+  assert r["resumed_fingerprint"] == r["in_memory_fingerprint"]
+  # And, on the other mesh, the run it continues (within rounding).
+  tolerance = _drift_tolerance(r["losses"])[3:]
+  for a, b, tol in zip(r["resumed"], r["losses"][3:], tolerance):
+    assert abs(a - b) <= tol, (a, b, tol)
+
+
+@pytest.mark.invariant
+def test_two_processes_train_as_one(one_process, tmp_path):
+  """2 processes x 4 CPU devices (gloo collectives) against 1 x 8.
+
+  The same program over the same mesh: every param and state bit is the
+  same at the checkpoint and at the end (and the checkpoint that both
+  processes wrote restores onto the other mesh). The printed losses are
+  each a mean of 8 devices' partial sums, which gloo adds in another order
+  than one process does: each within 8 fp32 units of its value.
+  """
+  two = _run(tmp_path, "two", "--processes", "2", "--no-unsharded")
+  assert two["processes"] == 2
+  assert two["bytes"] == one_process["bytes"]
+  for key in (
+    "saved_fingerprint",
+    "restored_fingerprint",
+    "resumed_fingerprint",
+    "in_memory_fingerprint",
+  ):
+    assert two[key] == one_process[key], key
+  assert two["restored_placed"]
+  for key in ("losses", "resumed", "in_memory"):
+    for a, b in zip(two[key], one_process[key], strict=True):
+      assert abs(a - b) <= 8 * F32_UNIT * abs(b), (key, a, b)
+
+
+def test_memory_bench_smoke(tmp_path):
+  """``bench/sharded_memory.py --smoke``: eager init splits the state n ways.
+
+  Its largest device holds ``1/n`` of the state for optax and jaxmp alike,
+  up to the replicated scalars (counts, loss scale: under 64 bytes).
+  """
+  out = tmp_path / "bench.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 " + (
+    "" if os.environ.get("JAXMP_DEFAULT_XLA_FLAGS") == "1" else FAST_COMPILE
+  )
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, "bench", "sharded_memory.py")]
+    + ["--smoke", "--json", str(out)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "| 8 |" in proc.stdout
+  with open(out) as f:
+    rows = json.load(f)["rows"]
+  eager = [r for r in rows if r["init"] == "eager"]
+  assert {(r["devices"], r["optimizer"]) for r in eager} == {
+    (n, o) for n in (1, 2, 4, 8) for o in ("optax", "jaxmp")
+  }
+  for r in eager:
+    assert r["whole"] <= r["devices"] * r["most"], r
+    assert r["devices"] * r["most"] <= r["whole"] + r["devices"] * 64, r
