@@ -137,6 +137,7 @@ def make_optimizer(
     weight_decay=s.weight_decay,
     seed=s.seed,
     diagnostics=s.diagnostics,
+    skip_spikes=s.skip_spikes,
   )
 
 
@@ -568,7 +569,11 @@ def _log_step(job: Job, state, metrics, step: int, reporter) -> None:
       s.max_consecutive_skips,
       max_nonfinite_loss_steps=s.max_nonfinite_loss_steps,
     )
-  except (jaxmp.LossScaleCollapseError, jaxmp.NonFiniteLossError) as e:
+  except (
+    jaxmp.LossScaleCollapseError,
+    jaxmp.NonFiniteLossError,
+    jaxmp.SpikeStallError,
+  ) as e:
     raise TrainingError(str(e)) from None
 
 

@@ -146,12 +146,14 @@ class Reporter:
     line: how many, the loss scale before and after, how many of them had a
     NaN/inf loss (the scale is not backed off for those), and, with
     diagnostics on, the leaf with the most non-finite gradient elements.
+    When steps were dropped as spikes since then (``spike_skip_window``),
+    one line says how many.
 
     Args:
       step: the global step.
       stats: `jaxmp.stats` plus ``loss`` (the last step's) and ``accuracy``
         (the epoch's so far), fetched to the host; ``nonfinite_loss_steps``
-        is optional.
+        and ``spike_skips`` are optional.
       worst_leaf: ``(path, non-finite count)`` of the last skipped step's
         worst leaf (`jaxmp.overflow_report`), or None.
     """
@@ -178,6 +180,15 @@ class Reporter:
       bad_loss = record["nonfinite_loss_steps"] - (
         last.get("nonfinite_loss_steps", 0) if last else 0
       )
+    spikes = int(stats.get("spike_skips", 0))
+    if spikes or (last and "spike_skips" in last):  # Kept once it is on.
+      record["spike_skips"] = spikes
+      new = spikes - (last.get("spike_skips", 0) if last else 0)
+      if new > 0:
+        self._write_line(
+          f"Step {step}: dropped {new} of steps {prev_step + 1}-{step} as "
+          "loss or gradient-norm spikes"
+        )
     if record["skipped_since_last_log"] > 0:
       before = last["loss_scale"] if last else self.initial_loss_scale
       line = (

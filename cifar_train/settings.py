@@ -8,7 +8,7 @@ explicit values from it. The defaults live in ``configs/default.py`` only.
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Optional
 
 import jax.numpy as jnp
 import jmp
@@ -77,6 +77,7 @@ class Settings:
   precision: Precision
   max_consecutive_skips: int
   max_nonfinite_loss_steps: int
+  skip_spikes: Optional[jaxmp.SpikeSkip]  # spike_skip_window/_factor
   diagnostics: bool
   dataset: str
   data_dir: str
@@ -225,6 +226,23 @@ def _auto_or_count(config, key: str) -> Any:
   return count
 
 
+def _skip_spikes(config) -> Optional[jaxmp.SpikeSkip]:
+  """``config.spike_skip_window``/``_factor`` as a `jaxmp.SpikeSkip` (0: off)."""
+  window = config.spike_skip_window
+  if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+    raise ConfigError(
+      f"spike_skip_window must be 0 (off) or an integer >= 2, got {window!r}"
+    )
+  if window == 0:
+    return None
+  try:
+    return jaxmp.SpikeSkip(window=window, factor=config.spike_skip_factor)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(
+      f"spike_skip_window/spike_skip_factor: {e}".replace("SpikeSkip ", "")
+    ) from None
+
+
 def _choice(config, key: str, valid: tuple[str, ...]) -> str:
   if config[key] not in valid:
     raise ConfigError(
@@ -280,6 +298,7 @@ def resolve(config: ml_collections.ConfigDict) -> Settings:
     precision=precision,
     max_consecutive_skips=int(config.max_consecutive_skips),
     max_nonfinite_loss_steps=int(config.max_nonfinite_loss_steps),
+    skip_spikes=_skip_spikes(config),
     diagnostics=bool(config.diagnostics),
     dataset=dataset,
     data_dir=config.data_dir,

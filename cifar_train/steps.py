@@ -124,13 +124,15 @@ def create_optimizer(
   weight_decay: float = 0.0,
   seed: int = 0,
   diagnostics: bool = False,
+  skip_spikes: Optional[jaxmp.SpikeSkip] = None,
 ) -> optax.GradientTransformation:
   """SGD with momentum and coupled weight decay (torch.optim.SGD), wrapped.
 
   Apex's FusedSGD fused the update into one kernel; here XLA fuses the whole
   optax chain, masters and loss-scale bookkeeping included. ``seed`` keys
   the rounding of ``master_weights="stochastic"``; ``diagnostics`` keeps
-  jaxmp's per-leaf gradient report (`jaxmp.overflow_report`).
+  jaxmp's per-leaf gradient report (`jaxmp.overflow_report`);
+  ``skip_spikes`` drops loss and gradient-norm spikes (`jaxmp.SpikeSkip`).
   """
   inner = optax.chain(
     optax.add_decayed_weights(weight_decay),
@@ -144,6 +146,7 @@ def create_optimizer(
     master_weights=precision.master_weights,
     rounding_key=seed,
     diagnostics=diagnostics,
+    skip_spikes=skip_spikes,
   )
 
 

@@ -54,6 +54,11 @@ def get_config() -> ml_collections.ConfigDict:
   # NaN/inf (bad data, divergence). Those steps are skipped without backing
   # off the loss scale.
   config.max_nonfinite_loss_steps = 10
+  # Spike skipping (jaxmp.SpikeSkip): drop a step whose loss or gradient norm
+  # exceeds mean + factor * std of the last `window` accepted steps. 0: off.
+  # (OLMo and MaxText use a window of 128 and a factor of 6.)
+  config.spike_skip_window = 0
+  config.spike_skip_factor = 6.0
   # Keep jaxmp's per-leaf gradient report: a log step that saw skipped steps
   # names the leaf with the most non-finite gradient elements. Under O1 also
   # autocast's debug mode: a warning names the first op whose fp16 output

@@ -32,6 +32,8 @@ def get_config():
   config.mean = (0.5, 0.5, 0.5)
   config.std = (0.5, 0.5, 0.5)
   config.augment = False
+  # The Apex script drops no step for a spike.
+  config.spike_skip_window = 0
   # The default, spelled out: the split on the GPU when it fits, k steps a
   # call where the step is short.
   config.data_on_device = "auto"

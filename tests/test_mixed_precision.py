@@ -729,9 +729,11 @@ class TestAccessorsAndHelpers:
     assert sorted(jaxmp.stats(state)) == [
       "consecutive_nonfinite_loss",
       "consecutive_overflows",
+      "consecutive_spike_skips",
       "loss_scale",
       "nonfinite_loss_steps",
       "skipped_steps",
+      "spike_skips",
       "step_applied",
     ]
 

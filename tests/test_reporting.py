@@ -67,6 +67,20 @@ def test_first_skip_line_starts_from_the_initial_scale_and_counts_nan_losses(
     assert [json.loads(l)["nonfinite_loss_steps"] for l in f] == [2, 3]
 
 
+def test_spike_skips_since_the_last_log_step_are_one_line(tmp_path, capsys):
+  writer = _reporter(tmp_path)
+  writer.log_step(2, dict(_stats(2.0, 8.0, 0), spike_skips=0))
+  writer.log_step(8, dict(_stats(2.0, 8.0, 0), spike_skips=3))
+  writer.log_step(10, dict(_stats(2.0, 8.0, 0), spike_skips=3))
+  assert capsys.readouterr().out.splitlines() == [
+    "Step 8: dropped 3 of steps 3-8 as loss or gradient-norm spikes"
+  ]
+  with open(tmp_path / "steps.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  # Off (or none yet): the record is as without spike skipping.
+  assert [r.get("spike_skips") for r in records] == [None, 3, 3]
+
+
 def test_plot_has_a_train_point_per_log_step_and_marks_skips(tmp_path):
   writer = _reporter(tmp_path)
   for step in range(1, 9):

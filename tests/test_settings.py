@@ -5,6 +5,7 @@ import jmp
 import numpy as np
 import pytest
 
+import jaxmp
 from cifar_train import settings
 from cifar_train.errors import ConfigError
 from configs import bf16, default, fp32, seed, smoke
@@ -32,7 +33,11 @@ def test_every_config_key_becomes_a_setting():
     "loss_scale_hysteresis",
     "master_weights",
   }
-  assert set(config.keys()) - precision_keys == fields - {"precision"}
+  spike_keys = {"spike_skip_window", "spike_skip_factor"}  # -> skip_spikes
+  assert set(config.keys()) - precision_keys - spike_keys == fields - {
+    "precision",
+    "skip_spikes",
+  }
 
 
 def test_auto_loss_scale_is_calibrated_later():
@@ -117,6 +122,12 @@ def test_precision_record(policy, param, compute, norm, scale_type, masters):
     ),
     ({"init_loss_scale": "big"}, "must be a number or 'auto', got 'big'"),
     ({"max_nonfinite_loss_steps": 0}, "max_nonfinite_loss_steps must be >= 1"),
+    ({"spike_skip_window": 1}, "spike_skip_window.*must be >= 2"),
+    ({"spike_skip_window": -1}, "spike_skip_window must be 0 \\(off\\)"),
+    (
+      {"spike_skip_window": 8, "spike_skip_factor": 0.0},
+      "spike_skip_factor.*factor must be a finite number > 0",
+    ),
   ],
 )
 def test_bad_values_name_the_key(override, match):
@@ -182,3 +193,27 @@ def test_every_setting_is_read_by_the_app():
     if not re.search(rf"\b(s|settings|resolved)\.{f.name}\b", code)
   ]
   assert not unread, unread
+
+
+@pytest.mark.parametrize("module", [default, seed])
+def test_spike_skipping_is_off_by_default(module):
+  assert settings.resolve(module.get_config()).skip_spikes is None
+
+
+def test_spike_skip_config_reaches_the_optimizer():
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from cifar_train import loop  # pylint: disable=g-import-not-at-top
+
+  config = default.get_config()
+  config.spike_skip_window = 16
+  config.spike_skip_factor = 4.5
+  s = settings.resolve(config)
+  assert s.skip_spikes == jaxmp.SpikeSkip(window=16, factor=4.5)
+  opt = loop.make_optimizer(s, s.precision, optax.constant_schedule(0.1))
+  state = opt.init({"w": jnp.ones(3, jnp.float16)})
+  assert jaxmp.find_state(state).spikes.norms.shape == (16,)
+  config.spike_skip_window = 0
+  s = settings.resolve(config)
+  opt = loop.make_optimizer(s, s.precision, optax.constant_schedule(0.1))
+  assert jaxmp.find_state(opt.init({"w": jnp.ones(3)})).spikes is None

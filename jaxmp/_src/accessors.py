@@ -38,6 +38,10 @@ class NonFiniteLossError(RuntimeError):
   """The loss itself was inf/NaN for many steps in a row (not an overflow)."""
 
 
+class SpikeStallError(RuntimeError):
+  """Every step for many steps in a row was dropped as a spike."""
+
+
 def _a(name: str) -> str:
   return ("an " if name[:1].lower() in "aeiou" else "a ") + name
 
@@ -231,16 +235,25 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
   Returns:
     ``{"loss_scale", "step_applied", "skipped_steps",
     "consecutive_overflows", "nonfinite_loss_steps",
-    "consecutive_nonfinite_loss"}``: ``skipped_steps`` counts every step
-    not applied; ``consecutive_overflows`` the steps skipped for non-finite
-    gradients in a row; the last two the steps skipped because the loss
-    given to ``update(..., loss=)`` was inf/NaN (a NaN-loss step neither
-    counts in ``consecutive_overflows`` nor breaks its run). Arrays stay on
+    "consecutive_nonfinite_loss", "spike_skips",
+    "consecutive_spike_skips"}``: ``skipped_steps`` counts every step
+    skipped for a non-finite value; ``consecutive_overflows`` the steps
+    skipped for non-finite gradients in a row; the next two the steps
+    skipped because the loss given to ``update(..., loss=)`` was inf/NaN (a
+    NaN-loss step neither counts in ``consecutive_overflows`` nor breaks its
+    run); the last two the steps dropped as spikes
+    (``mixed_precision(..., skip_spikes=...)``; zeros without it), which
+    ``skipped_steps`` does not count. Arrays stay on
     the device: fetch them with `jax.device_get` on log steps. The old keys
     ``"grads_finite"`` and ``"consecutive_skips"`` still read, with a
     `DeprecationWarning`, for one release.
   """
   state = find_state(opt_state)
+  spikes = state.spikes
+  if spikes is None:
+    spike_skips = run = jnp.zeros([], jnp.int32)
+  else:
+    spike_skips, run = spikes.spike_skips, spikes.consecutive_spike_skips
   return Stats(
     loss_scale=state.loss_scale,
     step_applied=state.step_applied,
@@ -248,6 +261,8 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     consecutive_overflows=state.consecutive_overflows,
     nonfinite_loss_steps=state.nonfinite_loss_steps,
     consecutive_nonfinite_loss=state.consecutive_nonfinite_loss,
+    spike_skips=spike_skips,
+    consecutive_spike_skips=run,
   )
 
 
@@ -345,7 +360,8 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
   updated by the forward pass of an overflowed step, an EMA of the params.
 
   Without accumulation the test is ``mixed_precision``'s ``step_applied``:
-  ``old`` is kept exactly when the update was skipped. Under
+  ``old`` is kept exactly when the update was skipped, for a non-finite
+  value or as a spike (``skip_spikes``). Under
   `jaxmp.multi_steps` it is the flag of the microbatch just accumulated, as
   `jaxmp.multi_steps` checks each one: ``old`` is kept exactly for the
   microbatches whose own gradients were not finite, whether the window
@@ -355,7 +371,9 @@ def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
   overflowed microbatch ever reaches the state. (``step_applied`` would be
   stale mid-window: it only moves when a window ends.) A plain
   `optax.MultiSteps` around ``mixed_precision`` is rejected, for that
-  reason.
+  reason. A window dropped as a spike (``skip_spikes`` judges the window's
+  mean gradient, when the window ends) keeps its microbatches' statistics,
+  as a window skipped for an overflow keeps those of its finite ones.
 
   Flax NNX: ``new`` may be the model itself: the variables of the types in
   ``old`` (an ``nnx.State``) are then put back in place, and the model is
@@ -474,7 +492,7 @@ def check_health(
 ) -> None:
   """Raises when training cannot recover: a host-side check for loops.
 
-  Call it on log steps (it fetches four scalars from the device). It stops
+  Call it on log steps (it fetches a few scalars from the device). It stops
   two things:
 
   * a non-finite loss: ``max_nonfinite_loss_steps`` or more steps in a row
@@ -487,6 +505,11 @@ def check_health(
     scale always is): nan/inf that loss scaling cannot fix. Without
     ``loss=``, a NaN loss ends up here.
 
+  With ``skip_spikes`` it stops a third: ``max_consecutive_skips`` or more
+  steps in a row dropped as spikes. The windows only take accepted steps,
+  so a lasting jump of the loss or of the gradient norm (a new phase of the
+  schedule, a new data mix) would otherwise drop every later step.
+
   Args:
     opt_state: the optax state holding a `mixed_precision` state.
     step: the number of steps taken so far (for the message).
@@ -497,6 +520,7 @@ def check_health(
   Raises:
     NonFiniteLossError: naming the step range of the non-finite losses.
     LossScaleCollapseError: naming the step range and the scale.
+    SpikeStallError: naming the step range of the dropped steps.
   """
   state = find_state(opt_state)
   if max_nonfinite_loss_steps is None:
@@ -522,3 +546,14 @@ def check_health(
       f"the loss scale at its floor {scale:g}; check the input data for "
       "NaN/inf and the learning rate"
     )
+  if state.spikes is not None:
+    run = int(_host(state.spikes.consecutive_spike_skips))
+    if run >= max_consecutive_skips:
+      raise SpikeStallError(
+        f"steps {step - run + 1}..{step} ({run} in a row) were all dropped "
+        "as spikes: their loss or gradient norm stayed above mean + factor "
+        "* std of the window of accepted steps, which only accepted steps "
+        "renew. A lasting jump (a learning-rate or data change) looks like "
+        "this; raise skip_spikes' factor, or restart the windows with "
+        "state._replace(spikes=opt.init(params).spikes)"
+      )

@@ -21,11 +21,13 @@ extra pass over the params and the step stays one straight-line XLA program
 
 Names: a step is *applied* when its gradients are finite (``grads_finite``,
 the flag the loss-scale rule reads) and so is its loss, when given
-(``loss_finite``). ``skipped_steps`` counts every step not applied, for
-either reason; ``consecutive_overflows`` counts the steps skipped for
-non-finite gradients in a row (a step skipped for a non-finite loss neither
-counts nor breaks the run: it is counted in ``nonfinite_loss_steps`` and
-``consecutive_nonfinite_loss``).
+(``loss_finite``), and, with ``skip_spikes``, it is no spike
+(`jaxmp.SpikeSkip`). ``skipped_steps`` counts every step skipped for a
+non-finite value, gradients or loss (spikes are counted apart, in
+``spikes.spike_skips``); ``consecutive_overflows`` counts the steps skipped
+for non-finite gradients in a row (a step skipped for a non-finite loss
+neither counts nor breaks the run: it is counted in ``nonfinite_loss_steps``
+and ``consecutive_nonfinite_loss``).
 """
 
 import sys
@@ -42,6 +44,7 @@ from jaxmp._src import diagnostics as diag
 from jaxmp._src import dtypes
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import master_weights as masters_lib
+from jaxmp._src import spikes as spikes_lib
 from jaxmp._src import unscaled
 
 # Re-exported: the public names live here since the first release.
@@ -72,10 +75,12 @@ class MixedPrecisionState(NamedTuple):
     growth_counter: int32, consecutive finite steps since the last growth
       (jmp's ``counter``, GradScaler's ``growth_tracker``).
     step_applied: bool, whether the last step was applied: its gradients
-      (and its loss, when ``update`` was given ``loss=``) were all finite.
-      (Formerly ``grads_finite``, a deprecated alias for one release.)
-    skipped_steps: int32, how many steps were skipped since `init`, for
-      either reason.
+      (and its loss, when ``update`` was given ``loss=``) were all finite,
+      and it was not dropped as a spike (``skip_spikes``). (Formerly
+      ``grads_finite``, a deprecated alias for one release.)
+    skipped_steps: int32, how many steps were skipped since `init` for a
+      non-finite value, gradients or loss; steps dropped as spikes are not
+      counted here but in ``spikes.spike_skips``.
     consecutive_overflows: int32, steps skipped for non-finite gradients in
       a row up to now; a step skipped for a non-finite loss leaves it
       unchanged. (Formerly ``consecutive_skips``, a deprecated alias.)
@@ -90,6 +95,9 @@ class MixedPrecisionState(NamedTuple):
       (``param + compensation`` is the fp32 estimate); ``None`` elsewhere.
     rounding_key: with ``master_weights="stochastic"``, the raw ``uint32[2]``
       PRNG key of the next step's rounding; ``None`` otherwise.
+    spikes: with ``skip_spikes``, a ``SpikeState`` NamedTuple (the
+      windows of recent losses and gradient norms, and the spike counters);
+      ``None`` otherwise.
   """
 
   inner_state: optax.OptState
@@ -105,6 +113,7 @@ class MixedPrecisionState(NamedTuple):
   diagnostics: Optional[diag.GradDiagnostics] = None
   compensation: Any = None
   rounding_key: Optional[jax.Array] = None
+  spikes: Optional[spikes_lib.SpikeState] = None
 
   @property
   def grads_finite(self) -> jax.Array:
@@ -192,6 +201,7 @@ def mixed_precision(
   axis_name: Optional[str] = None,
   diagnostics: bool = False,
   rounding_key: Union[int, jax.Array] = 0,
+  skip_spikes: Optional[spikes_lib.SpikeSkip] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer with FP32 master params and loss scaling.
 
@@ -283,6 +293,22 @@ def mixed_precision(
   are their own masters in every mode. `jaxmp.master_params` returns the
   best fp32 estimate: the master, ``param + c``, or the upcast param.
 
+  Spike skipping (``skip_spikes=jaxmp.SpikeSkip(window, factor)``) also
+  drops a finite step whose loss (given with ``loss=``) or the global L2
+  norm of whose unscaled fp32 gradients exceeds, strictly, ``mean + factor *
+  std`` (population std) of the last ``window`` accepted steps; nothing is
+  dropped before the window has filled. The loss and the norm have windows
+  of their own: without ``loss=`` (flax's ``TrainState.apply_gradients``)
+  the norm alone decides, and a spike in the loss that leaves the gradients
+  ordinary goes through. Neither a dropped step nor an overflowed one enters
+  the windows. A dropped step is rolled back exactly as an overflowed one
+  (``step_applied`` is False: masters, inner state, compensation, key, and
+  `jaxmp.rollback_if_skipped` for the caller's state), is counted in
+  ``jaxmp.stats(state)["spike_skips"]`` (not in ``skipped_steps``), and
+  leaves the loss scale, its growth counter and the overflow counters as
+  they were. Under ``shard_map``/``pmap`` with ``axis_name`` the norm and
+  the loss are made global first, so every device decides alike.
+
   Args:
     inner: the optimizer to run on unscaled fp32 gradients and masters, e.g.
       ``optax.sgd(0.1, momentum=0.9)`` or any chain.
@@ -309,6 +335,9 @@ def mixed_precision(
       and the compiled step exactly as without it.
     rounding_key: the seed (an int) or PRNG key of
       ``master_weights="stochastic"``; ignored by the other modes.
+    skip_spikes: a `jaxmp.SpikeSkip` to drop steps whose loss or gradient
+      norm spikes (see above); ``None`` (the default) leaves the state and
+      the compiled step exactly as without it.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; extra args go to ``inner``.
@@ -331,6 +360,7 @@ def mixed_precision(
       "optax.inject_hyperparams pass it in static_args"
     )
   mode = masters_lib.get_mode(master_weights, rounding_key)
+  skip_spikes = spikes_lib.check_config(skip_spikes)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -352,6 +382,7 @@ def mixed_precision(
       diagnostics=diag.init_diagnostics(params) if diagnostics else None,
       compensation=buffers.compensation,
       rounding_key=buffers.rounding_key,
+      spikes=spikes_lib.init(skip_spikes) if skip_spikes else None,
     )
 
   def update_fn(grads, state, params=None, *, loss=None, **extra_args):
@@ -361,6 +392,7 @@ def mixed_precision(
         "opt.update(grads, opt_state, params)"
       )
     _check_inner_state(state.inner_state)
+    spikes_lib.check_state(skip_spikes, state.spikes)
     from jaxmp._src import placement  # pylint: disable=g-import-not-at-top
 
     placement.check_chain(sys._getframe(1), update_fn.__code__)  # pylint: disable=protected-access
@@ -370,9 +402,7 @@ def mixed_precision(
     grads_finite, loss_finite = _finite_flags(
       grads, loss, scale, config, axis_name
     )
-    applied = (
-      grads_finite if loss_finite is None else grads_finite & loss_finite
-    )
+    finite = grads_finite if loss_finite is None else grads_finite & loss_finite
     # Multiplying by the reciprocal is exact for power-of-two scales.
     inv_scale = 1.0 / scale
     report = (
@@ -383,6 +413,16 @@ def mixed_precision(
 
     # The inner step, on unscaled fp32 gradients and the fp32 view.
     grads = jax.tree.map(lambda g: g.astype(jnp.float32) * inv_scale, grads)
+    applied, spike, spikes = finite, None, state.spikes
+    if skip_spikes is not None:
+      spike, spikes = spikes_lib.step(
+        skip_spikes,
+        state.spikes,
+        spikes_lib.global_norm(grads, axis_name),
+        None if loss is None else spikes_lib.global_loss(loss, axis_name),
+        finite,
+      )
+      applied = finite & ~spike
     buffers = masters_lib.Buffers(
       state.master_params, state.compensation, state.rounding_key
     )
@@ -403,13 +443,21 @@ def mixed_precision(
     new_scale, counter, overflows, loss_steps, loss_run = _next_counters(
       config, state, grads_finite, loss_finite
     )
+    if spike is not None:
+      # A spike leaves the loss-scale rule as it was (as if never seen).
+      hold = lambda new, old: jnp.where(spike, old, new)
+      new_scale = hold(new_scale, state.loss_scale)
+      counter = hold(counter, state.growth_counter)
+      overflows = hold(overflows, state.consecutive_overflows)
+      if loss_run is not None:
+        loss_run = hold(loss_run, state.consecutive_nonfinite_loss)
     return updates, MixedPrecisionState(
       inner_state=inner_state,
       master_params=buffers.master_params,
       loss_scale=new_scale,
       growth_counter=counter.astype(jnp.int32),
       step_applied=applied,
-      skipped_steps=state.skipped_steps + (~applied).astype(jnp.int32),
+      skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
       consecutive_overflows=overflows.astype(jnp.int32),
       config=config,
       nonfinite_loss_steps=loss_steps,
@@ -417,6 +465,7 @@ def mixed_precision(
       diagnostics=report,
       compensation=buffers.compensation,
       rounding_key=buffers.rounding_key,
+      spikes=spikes,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
