@@ -8,7 +8,7 @@ params' dtype and its softmax, LayerNorm statistics and loss in fp32, and
 `jaxmp.mixed_precision` keeps fp32 masters of the params and AdamW's
 moments in the optimizer state, each sharded like its param. The state is
 built under ``jax.jit`` with out-shardings, the step is jitted with donated
-params and state, spike skipping is on where the installed jaxmp has it, and
+params and state, spike skipping is on (`jaxmp.SpikeSkip`), and
 orbax saves the run halfway and restores it onto another mesh (4 x 2) with
 target shardings.
 
@@ -206,15 +206,10 @@ def make_optimizer(args) -> optax.GradientTransformation:
   """AdamW in `jaxmp.mixed_precision`: fp32 masters, the dtype's scaling."""
   dtype = jnp.dtype(args.dtype)
   preset = {"float16": "O1", "bfloat16": "bf16", "float32": "O0"}[dtype.name]
-  spikes = {}
-  if hasattr(jaxmp, "SpikeSkip"):  # jaxmp with spike skipping.
-    spikes["skip_spikes"] = jaxmp.SpikeSkip(
-      window=args.spike_window, factor=args.spike_factor
-    )
   return jaxmp.mixed_precision(
     optax.adamw(args.learning_rate, b2=0.95, weight_decay=0.1),
     loss_scale=jaxmp.get_preset(preset).loss_scale,
-    **spikes,
+    skip_spikes=jaxmp.SpikeSkip(args.spike_window, args.spike_factor),
   )
 
 
@@ -549,10 +544,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     f"{ends['checkpoint']:08x}, moved in memory {ends['memory']:08x}"
   )
   stats = jaxmp.stats(opt_state)
-  skips = f"skipped steps {_host(stats['skipped_steps'])}"
-  if "spike_skips" in stats:
-    skips += f", spike skips {_host(stats['spike_skips'])}"
-  say(skips)
+  say(
+    f"skipped steps {_host(stats['skipped_steps'])}, "
+    f"spike skips {_host(stats['spike_skips'])}"
+  )
   result = {
     "mesh": args.mesh,
     "restore_mesh": args.restore_mesh,

@@ -87,15 +87,17 @@ def test_each_device_holds_a_fsdp_th_of_the_state(one_process):
   """Per device: 1/4 of every sharded leaf plus the replicated ones.
 
   Replicated by the example's rules: the head's bias (256 values: bf16
-  param, fp32 master, two fp32 moments) and the scalars (loss scale,
-  counters, Adam's count: under 64 bytes). Each device holds
-  ``sharded / 4 + replicated`` of ``whole = sharded + replicated``.
+  param, fp32 master, two fp32 moments), the spike windows (two rings of
+  32 fp32 values) and the scalars (loss scale, counters, Adam's count:
+  under 128 bytes). Each device holds ``sharded / 4 + replicated`` of
+  ``whole = sharded + replicated``.
   """
+  scalars, windows = 128, 2 * 32 * 4
   replicated = {
     "params": 256 * 2,
     "masters": 256 * 4,
-    "moments": 256 * 8 + 64,
-    "opt_state": 256 * 12 + 64,
+    "moments": 256 * 8 + scalars,
+    "opt_state": 256 * 12 + windows + scalars,
   }
   for name, (whole, device) in one_process["bytes"].items():
     assert whole > 0, name
@@ -150,6 +152,34 @@ def test_two_processes_train_as_one(one_process, tmp_path):
   for key in ("losses", "resumed", "in_memory"):
     for a, b in zip(two[key], one_process[key], strict=True):
       assert abs(a - b) <= 8 * F32_UNIT * abs(b), (key, a, b)
+
+
+def test_an_eagerly_built_state_with_spike_skipping_can_be_donated():
+  """Each leaf its own buffer: a donating step takes each once.
+
+  The example's one-device run builds its state eagerly and donates it.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  import jaxmp  # pylint: disable=g-import-not-at-top
+
+  params = {"w": jnp.ones(4, jnp.bfloat16)}
+  opt = jaxmp.mixed_precision(
+    optax.adam(0.1), skip_spikes=jaxmp.SpikeSkip(window=4, factor=6.0)
+  )
+  state = opt.init(params)
+
+  def step(params, state):
+    loss_fn = lambda p: jnp.sum(p["w"].astype(jnp.float32) ** 2)
+    loss, grads = jaxmp.value_and_grad(loss_fn)(params, state)
+    updates, state = opt.update(grads, state, params, loss=loss)
+    return optax.apply_updates(params, updates), state
+
+  params, state = jax.jit(step, donate_argnums=(0, 1))(params, state)
+  assert float(params["w"][0]) < 1.0
+  assert int(jaxmp.stats(state)["spike_skips"]) == 0
 
 
 def test_memory_bench_smoke(tmp_path):
