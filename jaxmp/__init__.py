@@ -39,6 +39,7 @@ from jaxmp._src.policy import Preset
 from jaxmp._src.policy import PRESETS
 from jaxmp._src.rounding import stochastic_round
 from jaxmp._src.spikes import SpikeSkip
+from jaxmp._src.sharding import state_shardings
 from jaxmp._src.unscaled import UnscaledGradientsWarning
 from jaxmp._src.value_and_grad import value_and_grad
 
@@ -75,6 +76,7 @@ __all__ = (
   "scale_loss",
   "SpikeSkip",
   "SpikeStallError",
+  "state_shardings",
   "stats",
   "stochastic_round",
   "UnscaledGradientsWarning",

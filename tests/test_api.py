@@ -53,6 +53,7 @@ PUBLIC = {
     "scale_loss",
     "SpikeSkip",
     "SpikeStallError",
+    "state_shardings",
     "stats",
     "stochastic_round",
     "UnscaledGradientsWarning",

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxmp._src import mixed_precision as mp
+from jaxmp._src import sharding as sharding_lib
 
 
 class AccumulationState(NamedTuple):
@@ -107,6 +108,7 @@ def multi_steps(
   )
   opt = optax.with_extra_args_support(opt)
 
+  @sharding_lib.placed_like_params  # The accumulator too, under jit.
   def init_fn(params):
     state = AccumulationState(reference.init(params), jnp.ones([], jnp.bool_))
     _check_inside(state)

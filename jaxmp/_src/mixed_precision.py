@@ -44,6 +44,7 @@ from jaxmp._src import diagnostics as diag
 from jaxmp._src import dtypes
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import master_weights as masters_lib
+from jaxmp._src import sharding as sharding_lib
 from jaxmp._src import spikes as spikes_lib
 from jaxmp._src import unscaled
 
@@ -363,6 +364,7 @@ def mixed_precision(
   skip_spikes = spikes_lib.check_config(skip_spikes)
   inner = optax.with_extra_args_support(inner)
 
+  @sharding_lib.placed_like_params  # Also under jit: see `sharding`.
   def init_fn(params):
     _check_params(params)
     buffers = mode.init(params)
@@ -393,6 +395,7 @@ def mixed_precision(
       )
     _check_inner_state(state.inner_state)
     spikes_lib.check_state(skip_spikes, state.spikes)
+    sharding_lib.check_state(state, state.master_params, params, "state")
     from jaxmp._src import placement  # pylint: disable=g-import-not-at-top
 
     placement.check_chain(sys._getframe(1), update_fn.__code__)  # pylint: disable=protected-access
