@@ -10,7 +10,7 @@ bfloat16, every leaf sharded on its first axis over a 1-D ``fsdp`` mesh of
 ``optax.adamw`` on the params, and ``jaxmp.mixed_precision(optax.adamw)``
 (fp32 masters and fp32 moments) -- the state is built three ways: eagerly
 (``opt.init(params)``), under ``jax.jit(opt.init)`` without out-shardings,
-and, where the installed jaxmp has `jaxmp.state_shardings`, under
+and, for jaxmp, under
 ``jax.jit(opt.init, out_shardings=jaxmp.state_shardings(opt, params))``.
 Each cell is the bytes of the whole state on the device that holds the
 most of it, and that as a fraction of the whole state (1/n is the goal on
@@ -101,15 +101,13 @@ def optimizers(lr: float = 1e-3) -> dict[str, optax.GradientTransformation]:
   }
 
 
-def inits(opt, params) -> dict[str, Callable[[], Any]]:
+def inits(name: str, opt, params) -> dict[str, Callable[[], Any]]:
   """The ways of building the state that a user reaches for."""
   ways = {
     "eager": lambda: opt.init(params),
     "jit(init)": lambda: jax.jit(opt.init)(params),
   }
-  if hasattr(jaxmp, "state_shardings") and isinstance(
-    opt.init(params), jaxmp.MixedPrecisionState
-  ):
+  if name == "jaxmp":
     ways["jit(init, out_shardings)"] = lambda: jax.jit(
       opt.init, out_shardings=jaxmp.state_shardings(opt, params)
     )(params)
@@ -121,7 +119,7 @@ def memory_table(params, device_counts: Sequence[int]) -> list[dict]:
   for n in device_counts:
     sharded = shard(params, fsdp_mesh(n))
     for name, opt in optimizers().items():
-      for way, build in inits(opt, sharded).items():
+      for way, build in inits(name, opt, sharded).items():
         whole, most = state_bytes(build())
         rows.append(
           dict(devices=n, optimizer=name, init=way, whole=whole, most=most)

@@ -20,12 +20,13 @@ same state resharded in memory (no checkpoint), which must be equal bit for
 bit.
 
 Flax linen rather than NNX: linen's ``nn.with_logical_partitioning`` boxes
-the params with logical axis names (``nn.LogicallyPartitioned``), the boxes
-pass through jaxmp's tree maps into the masters and the moments, and
-``nn.get_partition_spec`` of the abstract optimizer state then gives the
-out-shardings of ``jax.jit(opt.init)`` and the orbax restore targets from
-the same logical-to-mesh rules as the params: the route flax's own examples
-and MaxText take to a sharded train state.
+the params with logical axis names (``nn.LogicallyPartitioned``), and
+``nn.get_partition_spec`` with ``nn.logical_to_mesh_sharding`` turns those
+names into the params' shardings: the route flax's own examples and MaxText
+take to a sharded train state. The boxes pass through jaxmp's tree maps into
+the masters and the moments; `jaxmp.state_shardings` gives the whole state's
+shardings (the same as ``nn.get_partition_spec`` of the abstract state would)
+for ``jax.jit(opt.init, out_shardings=...)`` and the orbax restore target.
 
 Run (8 CPU devices are forced unless ``XLA_FLAGS`` already sets a count;
 the corpus defaults to this file's own bytes)::
@@ -159,25 +160,20 @@ def loss_fn(apply_fn, params, tokens):
   ).mean()
 
 
-def make_mesh(shape: Sequence[int]) -> Mesh:
-  """A ``("data", "fsdp")`` mesh of ``shape`` over all devices."""
+def make_mesh(shape: Sequence[int], devices=None) -> Mesh:
+  """A ``("data", "fsdp")`` mesh of ``shape`` over ``devices`` (all)."""
   return jax.make_mesh(
     tuple(shape),
     ("data", "fsdp"),
     axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    devices=devices,
   )
 
 
-def shardings(abstract: Any, mesh: Optional[Mesh]) -> Any:
-  """The shardings of a (boxed) tree by `RULES`; one device if no mesh.
-
-  Leaves without logical names (the loss scale, counters) are replicated.
-  """
-  if mesh is None:
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return jax.tree.map(lambda _: device, nn.get_partition_spec(abstract))
+def param_shardings(abstract_params: Any, mesh: Mesh) -> Any:
+  """The params' shardings: their logical axis names mapped by `RULES`."""
   return nn.logical_to_mesh_sharding(
-    nn.get_partition_spec(abstract), mesh, RULES
+    nn.get_partition_spec(abstract_params), mesh, RULES
   )
 
 
@@ -188,8 +184,9 @@ def _is_box(x) -> bool:
 def with_shardings(abstract: Any, sharding_tree: Any) -> Any:
   """``abstract`` (boxed) with each leaf a ShapeDtypeStruct with a sharding.
 
-  The orbax restore target: the boxes stay, so that the restored tree has
-  the saved one's structure.
+  ``sharding_tree`` has a sharding where ``abstract`` has a box (or a leaf),
+  as `param_shardings` gives. The boxes stay, so that an orbax restore gives
+  the saved tree's structure.
   """
 
   def one(a, s):
@@ -224,11 +221,11 @@ def make_train_step(apply_fn, optimizer, param_sh, state_sh, batch_sh):
     updates, opt_state = optimizer.update(grads, opt_state, params, loss=loss)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  scalar = jax.tree.leaves(state_sh)[0]  # the loss scale's: replicated.
+  replicated = NamedSharding(batch_sh.mesh, P())
   return jax.jit(
     step,
     in_shardings=(param_sh, state_sh, batch_sh),
-    out_shardings=(param_sh, state_sh, scalar),
+    out_shardings=(param_sh, state_sh, replicated),
     donate_argnums=(0, 1),
   )
 
@@ -282,6 +279,17 @@ def fingerprint(tree: Any) -> jax.Array:
     weights = 2 * jnp.arange(bits.size, dtype=jnp.uint32) + 1
     total = total * jnp.uint32(1000003) + jnp.sum(bits * weights)
   return total
+
+
+def weights_fingerprint(params: Any, opt_state: Any) -> int:
+  """The `fingerprint` of the params, the masters and the moments.
+
+  The rest of the state counts steps and, for spike skipping, keeps the
+  last losses: the mean of a loss over devices may differ in its last bit
+  between two runs that add the devices' parts in another order.
+  """
+  weights = (params, opt_state.master_params, opt_state.inner_state)
+  return _host(fingerprint(weights))
 
 
 def _host(x: jax.Array) -> Any:
@@ -377,17 +385,19 @@ class Trainer:
     params = self.model.init(key, tokens)["params"]
     return jax.tree.map(lambda x: x.astype(self.dtype), params)
 
-  def on(self, mesh: Optional[Mesh]) -> dict[str, Any]:
+  def on(self, mesh: Mesh) -> dict[str, Any]:
     """Shardings of params, state and batch, and the jitted step."""
     apply_fn = self.model.clone(mesh=mesh).apply
     if self.dtype != jnp.float32:
       apply_fn = jaxmp.autocast(apply_fn, self.dtype)
-    params = shardings(self.abstract_params, mesh)
-    state = shardings(self.abstract_state, mesh)
-    if mesh is None:
-      batch = jax.tree.leaves(params)[0]
-    else:
-      batch = NamedSharding(mesh, P(("data", "fsdp")))
+    params = param_shardings(self.abstract_params, mesh)
+    # Each param-shaped leaf (master, moments) like its param, the rest
+    # (loss scale, counters, spike windows) replicated. The same as flax's
+    # nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_state)...).
+    state = jaxmp.state_shardings(
+      self.optimizer, with_shardings(self.abstract_params, params)
+    )
+    batch = NamedSharding(mesh, P(("data", "fsdp")))
     step = make_train_step(apply_fn, self.optimizer, params, state, batch)
     return {"params": params, "state": state, "batch": batch, "step": step}
 
@@ -420,7 +430,12 @@ def restore_target(trainer: Trainer, on: dict[str, Any]) -> dict[str, Any]:
   """The checkpoint's abstract tree with ``on``'s shardings (orbax target)."""
   return {
     "params": with_shardings(trainer.abstract_params, on["params"]),
-    "opt_state": with_shardings(trainer.abstract_state, on["state"]),
+    # state_shardings has the state's structure, boxes included.
+    "opt_state": jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      trainer.abstract_state,
+      on["state"],
+    ),
   }
 
 
@@ -451,6 +466,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
   on, on_other = trainer.on(mesh), trainer.on(other)
 
   params, opt_state = trainer.start(on)
+  weights = {"initial": weights_fingerprint(params, opt_state)}
   sizes = {
     "params": bytes_per_device(params),
     "masters": bytes_per_device(opt_state.master_params),
@@ -484,6 +500,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
   checkpointer.save(path, {"params": params, "opt_state": opt_state})
   checkpointer.wait_until_finished()
   saved = _host(fingerprint((params, opt_state)))
+  weights["saved"] = weights_fingerprint(params, opt_state)
   moved = jax.jit(
     lambda tree: tree, out_shardings=(on_other["params"], on_other["state"])
   )((params, opt_state))
@@ -491,6 +508,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     on, params, opt_state, args.save_at + 1, args.steps
   )
   losses += more
+  weights["end"] = weights_fingerprint(params, opt_state)
 
   # Restore onto the other mesh: the targets carry its shardings.
   restored = checkpointer.restore(path, restore_target(trainer, on_other))
@@ -514,10 +532,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
       on_other, p, s, args.save_at + 1, args.steps
     )
     ends[name] = _host(fingerprint((p, s)))
+    weights[name] = weights_fingerprint(p, s)
 
   unsharded = []
   if lead and not args.no_unsharded:  # The same run on one device.
-    on_one = trainer.on(None)
+    on_one = trainer.on(make_mesh((1, 1), jax.local_devices()[:1]))
     p = jax.jit(trainer.init_params, out_shardings=on_one["params"])(
       trainer.key
     )
@@ -557,6 +576,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     "unsharded": unsharded,
     "resumed": resumed["checkpoint"],
     "in_memory": resumed["memory"],
+    "weights_fingerprints": weights,
     "saved_fingerprint": saved,
     "restored_fingerprint": restored_print,
     "restored_placed": placed,

@@ -132,23 +132,27 @@ def test_restore_onto_another_mesh_is_bit_equal_and_resumes_alike(
 def test_two_processes_train_as_one(one_process, tmp_path):
   """2 processes x 4 CPU devices (gloo collectives) against 1 x 8.
 
-  The same program over the same mesh: every param and state bit is the
-  same at the checkpoint and at the end (and the checkpoint that both
-  processes wrote restores onto the other mesh). The printed losses are
-  each a mean of 8 devices' partial sums, which gloo adds in another order
-  than one process does: each within 8 fp32 units of its value.
+  The same program over the same mesh: every param, master and moment bit
+  is the same from the start to the end, at the checkpoint that both
+  processes wrote and after its restore onto the other mesh. The losses
+  are each a mean of 8 devices' partial sums, which gloo adds in another
+  order than one process does: each within 8 fp32 units of its value (and
+  so is the spike window, which keeps them).
   """
   two = _run(tmp_path, "two", "--processes", "2", "--no-unsharded")
   assert two["processes"] == 2
   assert two["bytes"] == one_process["bytes"]
-  for key in (
-    "saved_fingerprint",
-    "restored_fingerprint",
-    "resumed_fingerprint",
-    "in_memory_fingerprint",
-  ):
-    assert two[key] == one_process[key], key
+  assert two["weights_fingerprints"] == one_process["weights_fingerprints"]
+  assert set(two["weights_fingerprints"]) == {
+    "initial",
+    "saved",
+    "end",
+    "checkpoint",
+    "memory",
+  }
   assert two["restored_placed"]
+  assert two["restored_fingerprint"] == two["saved_fingerprint"]
+  assert two["resumed_fingerprint"] == two["in_memory_fingerprint"]
   for key in ("losses", "resumed", "in_memory"):
     for a, b in zip(two[key], one_process[key], strict=True):
       assert abs(a - b) <= 8 * F32_UNIT * abs(b), (key, a, b)
@@ -183,10 +187,11 @@ def test_an_eagerly_built_state_with_spike_skipping_can_be_donated():
 
 
 def test_memory_bench_smoke(tmp_path):
-  """``bench/sharded_memory.py --smoke``: eager init splits the state n ways.
+  """``bench/sharded_memory.py --smoke``: where each way puts the state.
 
-  Its largest device holds ``1/n`` of the state for optax and jaxmp alike,
-  up to the replicated scalars (counts, loss scale: under 64 bytes).
+  Eagerly built, its fullest device holds ``1/n`` of the state for optax
+  and jaxmp alike, up to the replicated scalars (counts, loss scale: under
+  64 bytes); under ``jit(init)`` only jaxmp's does.
   """
   out = tmp_path / "bench.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -210,6 +215,18 @@ def test_memory_bench_smoke(tmp_path):
   assert {(r["devices"], r["optimizer"]) for r in eager} == {
     (n, o) for n in (1, 2, 4, 8) for o in ("optax", "jaxmp")
   }
-  for r in eager:
+  # jaxmp's state lands like the params under jit too, with or without
+  # out-shardings; plain optax's does not (the whole of it on one device).
+  jaxmp_jit = [
+    r for r in rows if r["optimizer"] == "jaxmp" and r["init"] != "eager"
+  ]
+  assert len(jaxmp_jit) == 8
+  (optax_jit,) = [
+    r
+    for r in rows
+    if (r["devices"], r["optimizer"], r["init"]) == (8, "optax", "jit(init)")
+  ]
+  assert optax_jit["most"] == optax_jit["whole"]
+  for r in eager + jaxmp_jit:
     assert r["whole"] <= r["devices"] * r["most"], r
     assert r["devices"] * r["most"] <= r["whole"] + r["devices"] * 64, r
