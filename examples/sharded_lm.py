@@ -29,7 +29,7 @@ shardings (the same as ``nn.get_partition_spec`` of the abstract state would)
 for ``jax.jit(opt.init, out_shardings=...)`` and the orbax restore target.
 
 Run (8 CPU devices are forced unless ``XLA_FLAGS`` already sets a count;
-the corpus defaults to this file's own bytes)::
+the corpus defaults to the repository's LICENSE)::
 
     python examples/sharded_lm.py
     python examples/sharded_lm.py --steps 200 --width 128 --depth 4
@@ -62,6 +62,13 @@ import optax
 import orbax.checkpoint as ocp
 
 import jaxmp
+
+# The repository's LICENSE (this file's own bytes where it is missing).
+CORPUS = os.path.join(
+  os.path.dirname(os.path.abspath(__file__)), "..", "LICENSE"
+)
+if not os.path.exists(CORPUS):
+  CORPUS = __file__
 
 # Logical axis names -> mesh axes. Every weight has a dimension named
 # "embed" or "hidden", both on "fsdp" (flax gives a mesh axis to the first
@@ -218,6 +225,9 @@ def make_train_step(apply_fn, optimizer, param_sh, state_sh, batch_sh):
     loss, grads = jaxmp.value_and_grad(functools.partial(loss_fn, apply_fn))(
       params, opt_state, tokens
     )
+    # Gradients where their params live: each device updates its shard of
+    # every master (a replicated param's included) and gathers none.
+    grads = jax.lax.with_sharding_constraint(grads, param_sh)
     updates, opt_state = optimizer.update(grads, opt_state, params, loss=loss)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -335,7 +345,7 @@ def launch(argv: Sequence[str], processes: int, workdir: str) -> int:
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--text", default=__file__, help="corpus file (bytes)")
+  parser.add_argument("--text", default=CORPUS, help="corpus file (bytes)")
   parser.add_argument("--steps", type=int, default=6)
   parser.add_argument("--save-at", type=int, default=3, help="checkpoint step")
   parser.add_argument("--batch-size", type=int, default=16)
@@ -552,7 +562,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     j = i - args.save_at
     r = f"{resumed['checkpoint'][j]:.6f}" if j >= 0 else ""
     m = f"{resumed['memory'][j]:.6f}" if j >= 0 else ""
-    say(f"{i + 1:4d}  {loss:.6f}      {one:10s}  {r:16s}  {m}")
+    say(f"{i + 1:4d}  {loss:.6f}      {one:10s}  {r:16s}  {m}".rstrip())
   say(
     f"state at step {args.save_at}: saved {saved:08x}, restored on "
     f"{args.restore_mesh} {restored_print:08x}, shardings "
