@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU command of jaxmp (run from anywhere; offline is fine):
 #
-#   bash bench/gpu.sh                    # one GPU, under 8 minutes
+#   bash bench/gpu.sh                    # one GPU, under 9 minutes
 #   bash bench/gpu.sh --data_dir DIR     # the seed job on an image folder
 #   bash bench/gpu.sh --data_dir bench/gpu_wheels/images.tar.xz  # packed
 #   bash bench/gpu.sh --smoke            # tiny sizes, on a CPU
@@ -9,7 +9,9 @@
 # Step rows of both ResNet18s (jaxmp O1/O2/O0 TF32/bf16 against torch AMP
 # channels_last, eager and compiled), then the seed's job (the app's
 # configs/seed.py, cold and warm compile cache, against the seed's PyTorch
-# script with torch.amp): one table, the headline lines, and a JSON file
+# script with torch.amp), then the byte LM of bench/fp8.py at width 4096,
+# bf16 against fp8 autocast (current scaling), side by side
+# (fp8_over_bf16_step): one table, the headline lines, and a JSON file
 # (gpu_bench.json; --json PATH). Other arguments go to bench/gpu_bench.py.
 #
 # The app's packages that the GPU image lacks (tensorflow-datasets,

@@ -1,7 +1,7 @@
 """ResNet18 train steps and the seed's job on one GPU: jaxmp against PyTorch.
 
 Run on the GPU machine: ``bash bench/gpu.sh`` (installs the app's missing
-packages offline from ``bench/gpu_wheels/``, then runs this file; under 8
+packages offline from ``bench/gpu_wheels/``, then runs this file; under 9
 minutes). Check it on a CPU: ``bash bench/gpu.sh --smoke`` (tiny sizes,
 the one-block net; a few minutes).
 
@@ -28,7 +28,9 @@ guard skips entries rather than overrun ``--budget_s``.
 Then the seed's job (``bench/seed_job.py``): the app's ``configs/seed.py`` on
 synthetic CIFAR-shaped data (``--data_dir``: an image folder) for
 ``--epochs`` epochs with a cold and a warm compile cache, and the seed's
-PyTorch script with torch.amp on the same images.
+PyTorch script with torch.amp on the same images. Last, the byte LM of
+``bench/fp8.py`` at width 4096: its train step under bf16 autocast and
+under fp8 autocast (current scaling), timed in interleaved pairs.
 
 The table, then the headline lines (ratios > 1: the first is faster or
 longer, as named):
@@ -40,12 +42,19 @@ longer, as named):
 * ``app_over_step_b128``: the app's steady img/s over the bare step of its
   model (``resnet18_torchvision`` O1 at batch 128);
 * ``jax_o1_over_torch_amp_cl_b128``: CIFAR-stem ResNet18, O1 over torch AMP
-  channels_last, batch 128.
+  channels_last, batch 128;
+* ``fp8_over_bf16_step``: the byte LM of ``bench/fp8.py`` (width 4096, depth
+  2, batch 8, length 512), its train step under ``jaxmp.autocast(...,
+  fp8=True)`` (per-tensor current scaling) against bf16 autocast, timed
+  interleaved in this run: steps per second, fp8 over bf16 (the median of
+  the per-pair ratios; above 1, fp8 is faster; goal on Hopper: >= 1.3).
 
 Everything goes to a JSON file too (``--json``, default ``gpu_bench.json``).
 With ``--smoke`` the models have one block and 8 filters, the batches are
-16 and 128, and ``app_over_step_b128`` is the CPU goal: the app's steady
-rate over its bare step on the one-block net.
+16 and 128, the byte LM's width is 128 (depth 1, length 64, batch 4), and
+``app_over_step_b128`` is the CPU goal: the app's steady rate over its bare
+step on the one-block net. On a CPU fp8 is emulated, so there
+``fp8_over_bf16_step`` only shows that the path runs.
 """
 
 import argparse
@@ -311,6 +320,46 @@ def nan_ratio(x, y):
   return x / y if x == x and y == y and y > 0 else float("nan")
 
 
+def fp8_lm(smoke: bool) -> dict:
+  """The byte LM's train step, bf16 against fp8 autocast, side by side.
+
+  ``bench/fp8.py``'s `bench_width`: both steps jitted and warmed up, then
+  timed in interleaved pairs (bf16, fp8, ...) on the same batch.
+
+  Args:
+    smoke: tiny sizes for a CPU (width 128, depth 1, length 64, batch 4, 5
+      pairs) in place of width 4096, depth 2, length 512, batch 8, 10 pairs.
+
+  Returns:
+    ``{"width", "depth", "batch", "length", "pairs", "bf16_ms", "fp8_ms",
+    "fp8_over_bf16_step"}``, the last the median of the per-pair step-time
+    ratios bf16 / fp8 (steps per second, fp8 over bf16); or ``{"error"}``.
+  """
+  import fp8 as fp8_bench  # pylint: disable=g-import-not-at-top
+
+  sizes = argparse.Namespace(
+    depth=1 if smoke else 2,
+    batch_size=4 if smoke else 8,
+    length=64 if smoke else 512,
+    steps=5 if smoke else 10,
+  )
+  width = 128 if smoke else 4096
+  try:
+    bf16_s, fp8_s, ratio = fp8_bench.bench_width(width, sizes)
+  except Exception as ex:  # pylint: disable=broad-except
+    return {"error": f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}"}
+  return {
+    "width": width,
+    "depth": sizes.depth,
+    "batch": sizes.batch_size,
+    "length": sizes.length,
+    "pairs": sizes.steps,
+    "bf16_ms": 1e3 * bf16_s,
+    "fp8_ms": 1e3 * fp8_s,
+    "fp8_over_bf16_step": ratio,
+  }
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
@@ -328,7 +377,8 @@ def main():
   args = parser.parse_args()
   start = time.perf_counter()
   smoke = args.smoke
-  # Default: 8 minutes in all, 5 of them for the step rows.
+  # Default: 8 minutes in all, 5 of them for the step rows; the byte LM's
+  # fp8 rows come after (under a minute on a GPU).
   budget = args.budget_s or (330.0 if smoke else 470.0)
   steps_budget = 0.35 * budget if smoke else 290.0
   left = lambda: budget - (time.perf_counter() - start)
@@ -419,6 +469,11 @@ def main():
       for e in ready:
         e.window()
 
+  # The byte LM, bf16 against fp8 autocast (current scaling).
+  t = time.perf_counter()
+  lm = fp8_lm(smoke)
+  print(f"  byte LM bf16 / fp8 in {time.perf_counter() - t:.0f} s", flush=True)
+
   by = {(e.name, e.batch): e for e in entries}
   print()
   print(header)
@@ -481,6 +536,17 @@ def main():
     wall_warm = wall_cold = app_step = float("nan")
     first = (float("nan"),) * 3
   o1_torch = nan_ratio(ips("cifar jax O1", 128), ips("cifar torch amp cl", 128))
+  if "error" in lm:
+    print(f"byte LM, bf16 against fp8 autocast: failed: {lm['error']}")
+    fp8_ratio = float("nan")
+  else:
+    print(
+      f"byte LM (width {lm['width']}, depth {lm['depth']}, batch "
+      f"{lm['batch']}, length {lm['length']}), {lm['pairs']} interleaved "
+      f"pairs: bf16 step {lm['bf16_ms']:.1f} ms, fp8 autocast (current "
+      f"scaling) {lm['fp8_ms']:.1f} ms"
+    )
+    fp8_ratio = lm["fp8_over_bf16_step"]
   total = used()
   print(f"total {total:.0f} s (step rows {steps_s:.0f} s)")
   print(
@@ -498,6 +564,10 @@ def main():
     f"its model's bare step{', one-block net: the CPU goal' if smoke else ''})"
   )
   print(f"jax_o1_over_torch_amp_cl_b128: {o1_torch:.2f}")
+  print(
+    f"fp8_over_bf16_step: {fp8_ratio:.2f} (the byte LM's steps/s, fp8 "
+    f"autocast over bf16{'; fp8 emulated on a CPU' if smoke else ''})"
+  )
   record = {
     "header": header,
     "smoke": smoke,
@@ -512,6 +582,7 @@ def main():
       for e in entries
     ],
     "seed_job": job,
+    "fp8_lm": lm,
     "headlines": {
       "seed_job_wall_over_torch_script": wall_warm,
       "seed_job_wall_over_torch_script_cold": wall_cold,
@@ -520,6 +591,7 @@ def main():
       "torch_script_first_step_s": first[2],
       "app_over_step_b128": app_step,
       "jax_o1_over_torch_amp_cl_b128": o1_torch,
+      "fp8_over_bf16_step": fp8_ratio,
     },
     "total_s": total,
   }

@@ -1,8 +1,12 @@
 """jaxmp.autocast: the rules, everywhere JAX code goes, and its debug report.
 
 Dtype checks read jaxprs (no compilation). Values are compared with fp32
-within bounds derived from the unit roundoff of the half dtype (2**-11 for
-fp16, 2**-8 for bf16) times the magnitude and count of what is summed.
+within bounds derived from what the policy promises: the unit roundoff of
+the half dtype (2**-11 for fp16, 2**-8 for bf16) for the half products and
+half pointwise ops, fp32's (2**-24) for the fp32-listed sums and
+transcendentals, each times the magnitude and count of what it rounds. On
+inputs whose fp16 products are exact (XE/WE, XP/WP) only fp32 rounding is
+left, so the same ops computed in fp16 fail the value checks too.
 """
 
 import functools
@@ -21,6 +25,7 @@ from jaxmp._src import autocast as ac
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 U = {jnp.dtype(F16): 2.0**-11, jnp.dtype(BF16): 2.0**-8}
+U32 = 2.0**-24  # fp32's unit roundoff: the fp32-listed ops
 
 
 def _subjaxprs(params):
@@ -99,6 +104,7 @@ def matmul_tol(a, b, dtype=F16):
 
 W = jnp.linspace(-1.0, 1.0, 12, dtype=F32).reshape(3, 4)
 X = jnp.linspace(-2.0, 2.0, 24, dtype=F32).reshape(8, 3) ** 3
+ZMAX = float((np.abs(np.asarray(X)) @ np.abs(np.asarray(W))).max())  # |x||w|
 
 
 # ---------------------------------------------------------------------------
@@ -206,6 +212,78 @@ def test_float32_row(name):
   assert g(W, X).dtype == F32, name
 
 
+# Inputs whose fp16 products are exact: multiples of 1/8 (|x| <= 1.5,
+# |w| <= 1), so every partial sum of x @ w is a multiple of 1/64 below
+# 3 * 1.5 * 1 = 4.5, that is an integer below 288 < 2**11 times 1/64:
+# representable in fp16, whatever the order of the sums. Their products
+# (1/64 apart) carry more digits than fp16 keeps once squared, exponentiated
+# or summed.
+WE = jnp.asarray(np.arange(12).reshape(3, 4) % 9 - 4, F32) / 4 + 1 / 8
+XE = (jnp.asarray(np.arange(24).reshape(8, 3) * 5 % 13 - 6, F32) / 4) + 0.125
+
+
+def assert_fp16_exact_products(x, w, qx=1 / 8, qw=1 / 8):
+  """Asserts that fp16 computes ``x @ w`` exactly, in any order.
+
+  ``x`` and ``w`` are multiples of ``qx`` and ``qw`` that fp16 holds, and
+  ``|x| @ |w| < 2**11 qx qw``: every partial sum is an integer below 2**11
+  times ``qx qw``, which fp16 holds.
+  """
+  for a, q in ((x, qx), (w, qw)):
+    a = np.asarray(a, np.float64)
+    assert np.array_equal(a, a.astype(np.float16)), "not fp16 values"
+    assert np.array_equal(a / q, np.round(a / q)), f"not multiples of {q}"
+  zabs = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))
+  assert zabs.max() < 2**11 * qx * qw
+
+
+def test_float32_list_values_round_as_fp32():
+  # A value test of the fp32 row: on inputs whose fp16 products are exact,
+  # every fp32-listed op sees the same input as in fp32, so autocast must
+  # match fp32 within fp32 rounding (a few ulps for an elementwise op, the
+  # term count for sums). The same ops computed in fp16 (even cast back to
+  # fp32) are off by up to 2**-12 relative: 2**11 times more.
+  assert_fp16_exact_products(XE, WE)
+  z = np.abs(np.asarray(XE @ WE, np.float64))
+  sum_abs = {
+    "reduce_sum": (z + 1000).sum(),
+    "cumsum": np.cumsum(z + 1000, axis=0),
+    "cumlogsumexp": 1.0 + z.max(),  # |log-sum-exp| <= max z + log 8
+  }
+  terms = {"reduce_sum": 32, "reduce_prod": 32}
+  # _FP32_OPS reaches these through tanh (a half op, rounded in fp16): here
+  # through h / 8, exact in fp16 (|h / 8| < 0.5625, multiples of 1/512).
+  # Sums of h + 1000 (fp32, exact): about 32,000 in steps of 1/64, which
+  # fp32 sums exactly and fp16 cannot hold.
+  big = jnp.float32(1000.0)
+  ops = dict(
+    _FP32_OPS,
+    reduce_sum=lambda h: jnp.sum(h + big),
+    cumsum=lambda h: jnp.cumsum(h + big, axis=0),
+    asin=lambda h: jnp.arcsin(h / 8),
+    acos=lambda h: jnp.arccos(h / 8),
+    atanh=lambda h: jnp.arctanh(h / 8),
+    erf_inv=lambda h: lax.erf_inv(h / 8),
+  )
+
+  def f(w, x):
+    return {name: op(x @ w) for name, op in ops.items()}
+
+  got = jaxmp.autocast(f)(WE, XE)
+  want = jax.jit(f)(WE, XE)
+  caught = []
+  for name in ops:
+    ref = np.asarray(want[name], np.float64)
+    assert np.all(np.isfinite(ref)), name
+    n = terms.get(name, 8)  # elementwise: a few ulps; cum*: 8 terms
+    tol = 2 * (n + 2) * U32 * sum_abs.get(name, np.abs(ref))
+    err = np.abs(np.asarray(got[name], np.float64) - ref)
+    if not np.all(err <= tol):
+      caught.append((name, float(err.max()), float(np.max(tol))))
+  names = " ".join(c[0] for c in caught)
+  assert not caught, f"beyond fp32 rounding: {names} ({caught})"
+
+
 def test_widest_input_row():
   b32 = jnp.ones((4,), F32)
 
@@ -293,15 +371,20 @@ def test_values_and_grads_match_fp32_within_half_rounding():
   v, gr = jax.value_and_grad(g)(params, x)
   v32, gr32 = jax.value_and_grad(loss)(params, x)
   assert v.dtype == F32
-  # Each layer: K <= 8 products, (K + 3) u relative each; three layers
-  # compound; the square doubles it. The gradients add the backward
-  # products' (K + 3) u per layer.
+  # Each layer: a half product of K <= 8 terms, (K + 3) u relative, and the
+  # fp32 bias add; three layers compound; the fp32 square doubles it, and
+  # the fp32 mean of 16 terms adds (16 + 1) roundings of 2**-24. A gradient
+  # term: the output's error (three layers), again in the square's
+  # derivative 2 out, and the backward half products' (K + 3) u per layer.
   u = U[jnp.dtype(F16)]
-  assert abs(float(v) - float(v32)) <= 2 * 3 * (8 + 3) * u * float(v32)
+  layer = (8 + 3) * u + U32
+  assert abs(float(v) - float(v32)) <= (
+    2 * 3 * layer + (1 + 16 + 1) * U32
+  ) * float(v32)
   bound = jax.grad(loss)(jax.tree.map(jnp.abs, params), x)  # = sum |terms|
   for a, b, c in zip(*map(jax.tree.leaves, (gr, gr32, bound))):
     assert a.dtype == F32
-    assert_within(a, b, 4 * 3 * (8 + 3) * u * np.asarray(c))
+    assert_within(a, b, (3 * 3 * layer + 19 * U32) * np.asarray(c))
   assert_all_half(jax.make_jaxpr(jax.grad(g))(params, x))
 
 
@@ -371,24 +454,59 @@ def _ident(z):
   return z
 
 
-def assert_matches_fp32(g, f, args, count, argnums=None):
+def assert_matches_fp32(g, f, args, n16, n32, argnums=None, grad=None):
   """Values (and gradients) of ``g = autocast(f)`` within rounding of fp32.
 
   ``f`` takes ``act`` (tanh); ``f(act=identity)`` on ``|args|`` bounds the
   sum of |terms| of each output, and its gradient that of each gradient
-  entry (|tanh z| <= |z|, 0 < tanh' <= 1; exp is its own bound). ``count``
-  bounds the roundings along any path: ``count * u`` per term.
+  entry (|tanh z| <= |z|, 0 < tanh' <= 1; exp is its own bound). Along any
+  path a term meets at most ``n16`` fp16 roundings (the policy's half
+  products, ``K + 3`` for a sum of ``K`` products, and half pointwise ops)
+  and ``n32`` fp32 ones (sums of ``n`` terms count ``n``, transcendentals a
+  few each): ``n16 * 2**-11 + n32 * 2**-24`` per term. ``grad`` is
+  ``(n16, n32)`` of the gradient's paths (forward and backward).
   """
-  c = count * U[jnp.dtype(F16)]
+  c = n16 * U[jnp.dtype(F16)] + n32 * U32
   f_abs = functools.partial(f, act=_ident)
   abs_args = [jnp.abs(a) for a in args]
   assert_within(g(*args), f(*args), c * f_abs(*abs_args))
   if argnums is not None:
+    c = grad[0] * U[jnp.dtype(F16)] + grad[1] * U32
     assert_within(
       jax.grad(g, argnums)(*args),
       jax.grad(f, argnums)(*args),
       c * jax.grad(f_abs, argnums)(*abs_args),
     )
+
+
+# Positive inputs whose fp16 products are exact (multiples of 1/16 and
+# 1/8, |x| @ |w| < 14.3: below 2**11 / 128), whose sum (153.18 in steps of
+# 1/128) fp16 cannot hold (its steps are 1/8 there).
+XP = (
+  jnp.asarray(
+    [[40, 13, 6], [15, 20, 39], [22, 5, 16], [29, 39, 35]]
+    + [[47, 9, 42], [3, 27, 13], [10, 31, 15], [27, 13, 8]],
+    F32,
+  )
+  / 16
+)
+WP = jnp.asarray([[10, 6, 9, 9], [13, 6, 3, 9], [13, 13, 12, 9]], F32) / 8
+
+
+def assert_exact_products_match_fp32(f, n32):
+  """``autocast(f)(WP, XP)`` with ``act`` the identity, within fp32 rounding.
+
+  On WP, XP the fp16 products are exact, and ``f``'s other half ops (adds
+  of Python scalars) stay on fp16's grid, so only the fp32-listed ops
+  round, as in fp32: both sides within ``n32 * 2**-24`` per term. Computed
+  in fp16, a sum of the products (about 150, in steps of 1/128) would lose
+  its last 4 bits, and exp's results 2**-12 relative.
+  """
+  assert_fp16_exact_products(XP, WP, 1 / 16, 1 / 8)
+  f_id = functools.partial(f, act=_ident)
+  got = jaxmp.autocast(f_id)(WP, XP)
+  want = jax.jit(f_id)(WP, XP)
+  assert_within(got, want, 2 * n32 * U32 * f_id(WP, XP))
 
 
 def test_jit_inside_is_rewritten_and_keeps_its_name():
@@ -440,9 +558,15 @@ def test_scan_body_is_rewritten_and_carry_keeps_its_dtype():
   assert_all_half(jax.make_jaxpr(jax.grad(g))(W, X))
   (scan,) = eqns(jax.make_jaxpr(g)(W, X), "scan")
   assert [str(v.aval.dtype) for v in scan.outvars] == ["float32", "float16"]
-  # Sums of 3 (x @ w), 8 (the carry) and 32 (the outputs); twice for the
-  # backward pass, plus casts.
-  assert_matches_fp32(g, f, (W, X), 2 * (3 + 8 + 32) + 8, argnums=0)
+  # Half: x @ w (3 + 3) and tanh; fp32: the carry's 8 adds, the sums of 4
+  # and 32 terms, their add. Backward: tanh' in half (3 ops; it moves by
+  # |tanh''| <= 0.77 times z's error 6u ZMAX: 5 ZMAX), the outer product
+  # (1 + 3), and 8 fp32 adds of the weight's gradient.
+  assert_matches_fp32(
+    g, f, (W, X), 7, 45, argnums=0, grad=(7 + 3 + 4 + 5 * ZMAX, 54)
+  )
+  # With exact products, only the fp32 sums round.
+  assert_exact_products_match_fp32(f, 45)
 
 
 def test_while_loop_body_is_rewritten():
@@ -457,8 +581,8 @@ def test_while_loop_body_is_rewritten():
   assert_all_half(jax.make_jaxpr(g)(W, X))
   out = g(W, X)
   assert out.dtype == F32  # the carry keeps its traced dtype
-  # Three trips of two products (sums of 3 and 4 terms) and 4 casts each.
-  assert_matches_fp32(g, f, (W, X), 3 * (3 + 4 + 4))
+  # Three trips of two half products (3 + 3 and 4 + 3) and a half tanh.
+  assert_matches_fp32(g, f, (W, X), 3 * (6 + 7 + 1), 0)
 
 
 @pytest.mark.parametrize("pred", [True, False])
@@ -479,9 +603,51 @@ def test_cond_and_switch_branches_are_rewritten(pred):
     "float32",
     "float16",
   ]
-  # Products of 3 terms, exp (relative error |z| e for an error e of z),
-  # sums of 32 terms; twice for the backward pass.
-  assert_matches_fp32(g, f, (W, X), 2 * (3 + 3 + 32 + 8) * 4, argnums=0)
+  # z = a @ w in half (3 + 3 roundings of |z| <= ZMAX), exp in fp32 (its
+  # relative error is z's absolute error, 6u ZMAX, plus a few fp32 ulps), the
+  # half add of 1.0, fp32 sums of 32 terms. Backward: the half product
+  # a^T (ct exp z) (8 + 3).
+  n16 = 6 * (1 + ZMAX) + 1
+  assert_matches_fp32(
+    g, f, (W, X), n16, 4 + 32 + 32 + 1, argnums=0, grad=(n16 + 11, 8)
+  )
+  # With exact products, only exp and the fp32 sums round.
+  assert_exact_products_match_fp32(f, 4 + 32 + 32 + 1)
+
+
+def test_loop_carry_from_a_product_keeps_its_traced_dtype():
+  # The carry starts from x @ w, which autocast makes fp16: the traced
+  # carry is fp32, so the loops' carries (and outputs) stay fp32.
+  def f(w, x):
+    c, _ = lax.scan(lambda c, xi: (c + xi, None), x @ w, jnp.ones((2, 4)))
+    d = lax.while_loop(
+      lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] * 0.5), (0, x @ w)
+    )
+    e = lax.fori_loop(0, 2, lambda i, c: c + 1.0, x @ w)
+    return c, d[1], e
+
+  outs = jaxmp.autocast(f)(W, X)
+  assert [str(o.dtype) for o in outs] == ["float32"] * 3
+  jp = jax.make_jaxpr(jaxmp.autocast(f))(W, X)
+  assert_all_half(jp)
+  for loop in eqns(jp, "scan") + eqns(jp, "while"):
+    assert "float16" not in [str(v.aval.dtype) for v in loop.outvars]
+
+
+def test_cond_and_switch_output_is_widest_with_the_half_branch_first():
+  # lax.cond lists its branches (false, true): here the half branch (a @ w)
+  # is branches[0] and the fp32 one (exp) second, in both primitives.
+  def f(w, x):
+    y = lax.cond(False, lambda a: jnp.exp(a @ w), lambda a: a @ w, x)
+    z = lax.switch(1, [lambda a: a @ w, lambda a: jnp.exp(a @ w)], x)
+    return y, z
+
+  for c in eqns(jax.make_jaxpr(f)(W, X), "cond"):  # as traced
+    assert [len(eqns(b, "exp")) for b in c.params["branches"]] == [0, 1]
+  conds = eqns(jax.make_jaxpr(jaxmp.autocast(f))(W, X), "cond")
+  assert [str(c.outvars[0].aval.dtype) for c in conds] == ["float32"] * 2
+  y, z = jaxmp.autocast(f)(W, X)
+  assert y.dtype == z.dtype == F32
 
 
 def test_remat_body_is_rewritten():
@@ -493,7 +659,12 @@ def test_remat_body_is_rewritten():
   jp = jax.make_jaxpr(jax.grad(g))(W, X)
   assert eqns(jp, "remat2") or eqns(jp, "checkpoint")
   assert_all_half(jp)
-  assert_matches_fp32(g, f, (W, X), 2 * (3 + 4 + 24) + 8, argnums=0)
+  # Half: a @ w (3 + 3), tanh, h @ w.T (4 + 3); fp32: the sum of 24 terms.
+  # Backward: dh = 1 @ w (3 + 3), tanh' (3, and 5 ZMAX as in the scan
+  # test), a^T dz (8 + 3), and h^T 1 (8 + 3) for the other use of w.
+  assert_matches_fp32(
+    g, f, (W, X), 14, 25, argnums=0, grad=(7 + 6 + 3 + 11 + 5 * ZMAX, 26)
+  )
 
 
 @jax.custom_vjp
@@ -567,7 +738,8 @@ def test_shard_map_with_psum_inside():
   )
   assert_all_half(jp)
   assert_all_half(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(g(w, X))))(W))
-  assert_matches_fp32(g, f, (W, X), 3 + 3 + 8 + 4)
+  # Half: xs @ w (3 + 3) and tanh; fp32: sums of 2 rows, psum of 4.
+  assert_matches_fp32(g, f, (W, X), 7, 7)
 
 
 def test_autocast_inside_shard_map():
@@ -585,7 +757,11 @@ def test_autocast_inside_shard_map():
     return jnp.mean(act(x @ w))
 
   assert jax.grad(f)(W, X).dtype == F32
-  assert_matches_fp32(f, ref, (W, X), 2 * (3 + 32) + 8, argnums=0)
+  # Half: x @ w (3 + 3), tanh; fp32: means of 8 and pmean of 4. Backward:
+  # tanh' (3, and 5 ZMAX), x^T dz (2 + 3), psum of the 4 devices' dW.
+  assert_matches_fp32(
+    f, ref, (W, X), 7, 14, argnums=0, grad=(7 + 3 + 5 + 5 * ZMAX, 18)
+  )
 
 
 def test_nested_autocast_keeps_its_dtype():
@@ -680,12 +856,15 @@ def test_flax_linen_batchnorm_statistics_update():
       return nn.Dense(2)(nn.relu(x))
 
   net = Net()
-  v = net.init(jax.random.key(0), X, train=False)
+  v = net.init(jax.random.key(0), XP, train=False)
+  # The first kernel WP: its fp16 products with XP are exact, so only the
+  # statistics' own (fp32) sums and squares round.
+  v["params"]["Dense_0"]["kernel"] = WP
   f = jaxmp.autocast(net.apply)
-  y, upd = f(v, X, train=True, mutable=["batch_stats"])
-  y32, upd32 = net.apply(v, X, train=True, mutable=["batch_stats"])
+  y, upd = f(v, XP, train=True, mutable=["batch_stats"])
+  y32, upd32 = net.apply(v, XP, train=True, mutable=["batch_stats"])
   assert y.dtype == F32  # half product + fp32 bias
-  tol = _stats_tol(v["params"]["Dense_0"]["kernel"], momentum=0.5)
+  tol = _stats_tol(XP, WP, momentum=0.5)
   for a, b, old in zip(
     jax.tree.leaves(upd),
     jax.tree.leaves(upd32),
@@ -696,7 +875,7 @@ def test_flax_linen_batchnorm_statistics_update():
     assert_within(a, b, tol)  # ...as in fp32
 
   def loss(params):
-    out, _ = f({**v, "params": params}, X, train=True, mutable=["batch_stats"])
+    out, _ = f({**v, "params": params}, XP, train=True, mutable=["batch_stats"])
     return jnp.mean(out**2)
 
   grads = jax.grad(loss)(v["params"])
@@ -704,17 +883,22 @@ def test_flax_linen_batchnorm_statistics_update():
   assert_all_half(jax.make_jaxpr(jax.grad(loss))(v["params"]))
 
 
-def _stats_tol(kernel, momentum):
-  """Bound on the error of BatchNorm's running mean/var of ``X @ kernel``.
+def _stats_tol(x, kernel, momentum):
+  """Bound on the error of BatchNorm's running mean/var of ``x @ kernel``.
 
-  h = X @ kernel (+ a zero bias) is off by at most e = (3 + 3) u |X| |kernel|
-  per element; the mean by e, the variance E[h^2] - E[h]^2 by 4 e max|h| + 2
-  e^2 (both reductions run in fp32: their own rounding is 2**-24 per term,
-  negligible next to u); a running statistic takes (1 - momentum) of it.
+  Its fp16 products are exact (`assert_fp16_exact_products`), and so is the
+  zero bias's fp32 add: h is fp32's h. The statistics run in fp32, as in
+  fp32, over the n = 8 rows: the mean within (n + 1) 2**-24 of max |h|, the
+  variance E[h^2] - E[h]^2 within (2 (n + 2) + 2) 2**-24 of max h^2; the
+  running statistic takes (1 - momentum) of it, plus 2 roundings of its
+  own (below max h^2 + max |h|). Both sides round: twice that. fp16 sums or
+  squares would be off by up to 2**-12 of max h^2.
   """
-  habs = np.abs(np.asarray(X)) @ np.abs(np.asarray(kernel))
-  e = float((3 + 3) * U[jnp.dtype(F16)] * habs.max())
-  return (1 - momentum) * (4 * e * float(habs.max()) + 2 * e * e + e)
+  assert_fp16_exact_products(x, kernel, 1 / 16, 1 / 8)
+  hmax = float((np.abs(np.asarray(x)) @ np.abs(np.asarray(kernel))).max())
+  n = x.shape[0]
+  big = hmax * hmax + hmax
+  return 2 * U32 * ((1 - momentum) * (2 * (n + 2) + 2 + n + 1) + 2) * big
 
 
 def test_flax_nnx_split_merge_keeps_batchnorm_updates():
@@ -723,6 +907,7 @@ def test_flax_nnx_split_merge_keeps_batchnorm_updates():
     nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
     nnx.BatchNorm(4, momentum=0.5, rngs=nnx.Rngs(0)),
   )
+  model.layers[0].kernel[...] = WP  # exact fp16 products with XP
   graphdef, state = nnx.split(model)
   old = [np.array(a) for a in jax.tree.leaves(state)]
 
@@ -731,9 +916,9 @@ def test_flax_nnx_split_merge_keeps_batchnorm_updates():
     y = m(x)
     return y, nnx.state(m)  # the new state carries the BatchNorm updates
 
-  y, new_state = jaxmp.autocast(forward)(state, X)
+  y, new_state = jaxmp.autocast(forward)(state, XP)
   # An eager nnx.merge shares the state's variables: run fp32 on a copy.
-  y32, new_state32 = forward(jax.tree.map(jnp.array, state), X)
+  y32, new_state32 = forward(jax.tree.map(jnp.array, state), XP)
   assert y.dtype == F32
   means = [
     (a, b, old)
@@ -744,13 +929,13 @@ def test_flax_nnx_split_merge_keeps_batchnorm_updates():
     )
   ]
   moved = 0
-  tol = _stats_tol(state["layers"][0]["kernel"][...], momentum=0.5)
+  tol = _stats_tol(XP, state["layers"][0]["kernel"][...], momentum=0.5)
   for a, b, old in means:
     assert a.dtype == b.dtype
     assert_within(a, b, tol)
     moved += float(jnp.max(jnp.abs(b - old))) > 0.1
   assert moved == 2  # mean and var
-  assert_all_half(jax.make_jaxpr(jaxmp.autocast(forward))(state, X))
+  assert_all_half(jax.make_jaxpr(jaxmp.autocast(forward))(state, XP))
 
 
 def test_equinox_mlp_without_edits():
@@ -759,8 +944,9 @@ def test_equinox_mlp_without_edits():
   fwd = jaxmp.autocast(lambda m, x: jax.vmap(m)(x))
   y = fwd(mlp, X)
   ref = jax.vmap(mlp)(X)
-  # Sums of 3, 8 and 8 terms forward and back, plus the casts: <= 2 * 35
-  # roundings along any path; bounds from the network on |params|, |X|.
+  # Half products (sums of 3, 8 and 8 terms) forward and back, plus the
+  # casts: <= 2 * 35 fp16 roundings along any path; no fp32-listed op runs
+  # inside. Bounds from the network on |params|, |X|.
   params, static = eqx.partition(mlp, eqx.is_array)
   c = 2 * 35 * U[jnp.dtype(F16)]
 

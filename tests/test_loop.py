@@ -6,6 +6,7 @@ compile time).
 """
 
 import errno
+import functools
 import glob
 import json
 import os
@@ -256,7 +257,7 @@ def test_compile_ahead_leaves_the_first_step_nothing_to_trace(
 @pytest.mark.parametrize(
   "on_device,policy",
   [
-    (False, "O2"),
+    # (False, "O2"): with init_loss_scale='auto', the test below.
     (True, "O2"),
     (False, "bf16-kahan"),
     (False, "bf16-stochastic"),
@@ -297,6 +298,26 @@ def test_resume_is_exact_for_the_whole_state(
   ]
   assert losses(split) == losses(full)
   assert sorted(os.listdir(split / "checkpoints")) == ["4", "6"]
+
+
+@pytest.mark.invariant
+def test_resume_with_auto_loss_scale_keeps_the_whole_state(
+  make_config, data_dir, tiny_data, tmp_path, monkeypatch, capsys
+):
+  """The whole-state resume, O2 on host data with ``init_loss_scale='auto'``.
+
+  The first run calibrates its scale on its first batch; the resumed one
+  keeps its checkpoint's scale, masters and momentum (calibrating again would
+  start a fresh optimizer state: another fingerprint). It stands for the
+  (False, "O2") case above: the same resume, the scale calibrated.
+  """
+  auto = functools.partial(make_config, init_loss_scale="auto")
+  test_resume_is_exact_for_the_whole_state(
+    False, "O2", auto, data_dir, tiny_data, tmp_path, monkeypatch
+  )
+  out = capsys.readouterr().out
+  assert out.count("init_loss_scale 'auto': ") == 2
+  assert "resumed, keeping the checkpoint's loss scale" in out
 
 
 def test_same_seed_same_state(

@@ -284,16 +284,19 @@ def _rnn_step(w):
 
 
 class TestLoopBodies:
-  """Formerly an error from JAX that did not name autocast (an fp16 carry)."""
+  """Formerly an error from JAX that did not name autocast (an fp16 carry).
 
-  def test_scan_body_keeps_its_carry_dtype_when_asked(self):
+  A loop body under autocast keeps its carry's traced dtype by itself (the
+  only dtype the loop accepts); a scan body's stacked outputs follow the
+  rules.
+  """
+
+  def test_scan_body_keeps_its_carry_dtype(self):
     w = jax.random.normal(jax.random.key(0), (4, 4)) * 0.3
     h0, xs = jnp.zeros((2, 4), jnp.float16), jnp.ones((3, 2, 4), jnp.float16)
     h0 = h0.astype(jnp.float32)
     xs = xs.astype(jnp.float32)
     body = _rnn_step(w)
-    with pytest.raises(TypeError, match=r"carry"):
-      jax.lax.scan(jaxmp.autocast(body), h0, xs)
     h, ys = jax.lax.scan(jaxmp.autocast(body, keep_output_dtypes=True), h0, xs)
     assert h.dtype == ys.dtype == jnp.float32
     # Per output: the carry kept, the stacked outputs left in fp16.
@@ -301,10 +304,47 @@ class TestLoopBodies:
     h2, ys2 = jax.lax.scan(per, h0, xs)
     assert h2.dtype == jnp.float32 and ys2.dtype == jnp.float16
     np.testing.assert_array_equal(h2, h)  # The same fp16 products.
+    # Unasked, the same: the carry kept, the outputs in fp16 (also under jit).
+    h3, ys3 = jax.lax.scan(jaxmp.autocast(body), h0, xs)
+    assert h3.dtype == jnp.float32 and ys3.dtype == jnp.float16
+    np.testing.assert_array_equal(h3, h)
+    np.testing.assert_array_equal(ys3, ys2)
+    run = jax.jit(lambda h0: jax.lax.scan(jaxmp.autocast(body), h0, xs))
+    np.testing.assert_array_equal(run(h0)[0], h)
     # The products did run in fp16: within fp16 rounding of fp32, not equal.
     want, _ = jax.lax.scan(body, h0, xs)
     assert not np.array_equal(h, want)
     np.testing.assert_allclose(h, want, atol=3 * 8 * 2.0**-11)
+
+  def test_fori_and_while_loop_bodies_keep_their_carry_dtype(self):
+    w = jax.random.normal(jax.random.key(0), (4, 4)) * 0.3
+    h0 = jnp.ones((2, 4))
+    f = jaxmp.autocast(lambda i, h: jnp.tanh(h @ w))
+    want = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w), h0)
+    got = jax.lax.fori_loop(0, 3, f, h0)  # through scan (static trips)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, atol=3 * 8 * 2.0**-11)
+    dyn = jax.jit(lambda n: jax.lax.fori_loop(0, n, f, h0))(3)  # while
+    np.testing.assert_array_equal(dyn, got)
+    g = jaxmp.autocast(lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)))
+    out = jax.lax.while_loop(lambda c: c[0] < 3, g, (0, h0))
+    assert out[1].dtype == jnp.float32
+    np.testing.assert_array_equal(out[1], got)
+
+  def test_functions_called_inside_a_loop_body_keep_the_rules(self):
+    # Only the body the loop calls keeps its carry: an autocast function the
+    # user's body calls, or lax.map's function, returns its products in fp16.
+    w = jnp.full((4, 4), 0.25)
+    f = jaxmp.autocast(lambda h: h @ w)
+
+    def body(h, x):
+      y = f(h)
+      assert y.dtype == jnp.float16
+      return h + x, y
+
+    _, ys = jax.lax.scan(body, jnp.ones((2, 4)), jnp.ones((3, 2, 4)))
+    assert ys.dtype == jnp.float16
+    assert jax.lax.map(f, jnp.ones((3, 2, 4))).dtype == jnp.float16
 
   def test_fori_and_while_loop_bodies(self):
     w = jax.random.normal(jax.random.key(0), (4, 4)) * 0.3

@@ -571,6 +571,26 @@ class TestMastersAndSkips:
     masters = jaxmp.master_params(state)
     assert masters["w"].dtype == jnp.float32
 
+  @pytest.mark.invariant
+  def test_small_half_gradients_are_unscaled_exactly_in_fp32(self):
+    # Gradients of about 1e-6 and below 2**-24 (fp16's smallest subnormal),
+    # scaled by 2**15 into fp16's normal range. Unscaled in fp32 (an fp16
+    # value times a power of two) they are exact; unscaled in fp16 they
+    # would land on fp16's subnormal grid (1e-6 as 1.0133e-6) or flush to 0.
+    true = np.array([1e-6, 1.0002e-6, 3e-7, 2.0**-25, 1e-8], np.float64)
+    scale = 2.0**15
+    g16 = jnp.asarray(true * scale, jnp.float16)
+    want = np.asarray(g16, np.float64) / scale  # exact in fp32
+    assert np.all(np.abs(want - true) <= 2.0**-11 * true)  # all nonzero
+    params = {"w": jnp.zeros(true.size, jnp.float16)}
+    opt = jaxmp.mixed_precision(optax.sgd(1.0), loss_scale=scale)
+    state = opt.init(params)
+    _, state = jax.jit(opt.update)({"w": g16}, state, params)
+    # master = 0 - 1.0 * unscaled gradient: exact.
+    np.testing.assert_array_equal(
+      np.asarray(state.master_params["w"], np.float64), -want
+    )
+
 
 class TestAllFinite:
   """The global finite check: exact, whatever the size, dtype or position."""

@@ -51,6 +51,24 @@ def test_auto_loss_scale_is_calibrated_later():
   assert float(q.loss_scale.min_loss_scale) == 1.0
 
 
+# CIFAR10's training split (50,000 images), per channel over every pixel of
+# the images scaled to [0, 1]: the mean and (population) std that
+# torchvision-style recipes normalise with.
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+
+@pytest.mark.parametrize("module", [default, fp32, bf16])
+def test_cifar10_configs_normalise_with_cifar10_statistics(module):
+  c = module.get_config()
+  assert c.dataset == "cifar10"
+  np.testing.assert_allclose(c.mean, CIFAR10_MEAN, rtol=0, atol=5e-5)
+  np.testing.assert_allclose(c.std, CIFAR10_STD, rtol=0, atol=5e-5)
+  s = settings.resolve(c)
+  np.testing.assert_allclose(s.mean, CIFAR10_MEAN, rtol=0, atol=5e-5)
+  np.testing.assert_allclose(s.std, CIFAR10_STD, rtol=0, atol=5e-5)
+
+
 def test_seed_config_is_the_apex_script():
   c = seed.get_config()
   assert (

@@ -22,7 +22,9 @@ The surface:
   a callback, through the public ``jax.lax``/``jax.shard_map`` API where it
   exists (``scan``, ``while``, ``cond``, ``remat``, ``shard_map``) and by
   re-binding with swapped bodies where it does not (``jit``, custom rules);
-* :func:`describe` (primitive, user source line and name stack of an equation).
+* :func:`describe` (primitive, user source line and name stack of an equation);
+* :func:`loop_body` (whether a ``scan``/``while_loop``/``fori_loop`` is
+  calling a function as its body, read from the Python stack).
 
 Tested with jax 0.9.2 to 0.12.0.1 (parameters are read by name, unknown ones
 are passed through). Up to jax 0.10 a ``ClosedJaxpr`` wraps a ``Jaxpr`` and
@@ -328,6 +330,11 @@ def run_scan(eqn: Eqn, args, body: Body) -> list:
   return [*carry, *ys]
 
 
+def scan_counts(eqn: Eqn) -> tuple[int, int]:
+  """(num_consts, num_carry) of a ``scan`` equation."""
+  return _scan_counts(eqn.params, len(eqn.invars))
+
+
 def _scan_counts(p: dict, n: int) -> tuple[int, int]:
   """(num_consts, num_carry) of a scan: params on jax 0.10, ``ft_in`` on 0.11."""
   if "num_consts" in p:
@@ -601,6 +608,55 @@ def inputs_only_multiplied(jaxpr, names: frozenset) -> list[bool]:
     if not isinstance(v, _core.Literal) and v in ok:
       ok[v] = False
   return [ok[v] for v in j.invars]
+
+
+# --------------------------------------------------------------------------
+# Loop bodies: which loop, if any, is tracing a function as its body.
+
+_LOOPS = "jax._src.lax.control_flow.loops"
+# fori_loop's wrappers that call the user's ``body(i, carry) -> carry``
+# (through scan when the trip count is static, else through while_loop).
+_FORI_BODIES = frozenset({"scanned_fun", "while_body_fun"})
+
+
+def loop_body(frame) -> Optional[str]:
+  """Which loop calls the function called from ``frame``, as its body.
+
+  JAX traces a loop's body to a jaxpr and then requires its carry outputs
+  to have its carry inputs' types. Read from the Python stack: the first
+  frame outside JAX's own tracing machinery (and outside jaxmp's wrappers)
+  is a frame of JAX's loops module.
+
+  Args:
+    frame: the frame that called the function (``sys._getframe(k)``).
+
+  Returns:
+    ``"scan"`` (a ``lax.scan`` body: its output is ``(carry, y)``),
+    ``"carry"`` (a ``while_loop`` body or cond, a ``fori_loop`` body: its
+    output is the carry), or None (called from user code, or from a loop of
+    another kind such as ``lax.map``).
+  """
+
+  def outside(f):
+    while f is not None:
+      mod = f.f_globals.get("__name__", "")
+      if mod == _LOOPS or not mod.startswith(("jax._src.", "jaxmp._src.")):
+        return f
+      f = f.f_back
+    return None
+
+  f = outside(frame)
+  if f is None or f.f_globals.get("__name__") != _LOOPS:
+    return None
+  if f.f_code.co_name in _FORI_BODIES:
+    return "carry"
+  if f.f_code.co_name != "_create_jaxpr":
+    return None
+  g = outside(f.f_back)
+  name = g.f_code.co_name if g is not None else ""
+  if g is None or g.f_globals.get("__name__") != _LOOPS:
+    return None
+  return {"scan": "scan", "while_loop": "carry"}.get(name)
 
 
 # --------------------------------------------------------------------------

@@ -117,6 +117,7 @@ survive being traced anywhere.
 import dataclasses
 import functools
 import logging
+import sys
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
@@ -344,7 +345,11 @@ class _Interpreter:
     elif k == "cond":
       outs = ji.run_cond(eqn, invals, self._body(inweak[1:]), _unify)
     elif k == "scan":
-      outs = ji.run_scan(eqn, invals, self._body(inweak))
+      # A carry changes from trip to trip: never weak, even from a weak
+      # init (jnp.zeros), or an fp32 accumulator would add in half.
+      nc, nk = ji.scan_counts(eqn)
+      weak = [w and not nc <= i < nc + nk for i, w in enumerate(inweak)]
+      outs = ji.run_scan(eqn, invals, self._body(weak))
     elif k == "while":
       outs = ji.run_while(eqn, invals, self._body())
     elif k == "shard_map":
@@ -573,35 +578,40 @@ class _Region:
   call traces ``fun`` once per signature.
   """
 
-  def __init__(self, fun, name: str, impl: Callable, keep: Any = False):
+  def __init__(
+    self, fun, name: str, impl: Callable, keep: Any = False, loops=False
+  ):
     self.fun = fun
     self.name = name
     self.impl = impl  # impl(flat_fun, dyn) -> outs, with flat_fun traceable.
     self.keep = keep  # keep_output_dtypes: a bool or a prefix of the output.
+    self.loops = loops  # As a loop's body, keep the carry's dtypes.
     self.cache: dict = {}
 
   def __call__(self, *args, **kwargs):
+    # Called by a scan/while_loop/fori_loop as its body (through ``_wrap``)?
+    loop = ji.loop_body(sys._getframe(1)) if self.loops else None
     if nnx_support.is_graph_node(self.fun):  # autocast(model): lift it too.
       args = (self.fun,) + args
     lifted = nnx_support.lift((args, kwargs))
     if lifted is None:
-      return self._call((args, kwargs), lifted=False)
-    out, new_state = self._call(lifted.tree, lifted=True)
+      return self._call((args, kwargs), lifted=False, loop=loop)
+    out, new_state = self._call(lifted.tree, lifted=True, loop=loop)
     lifted.write_back(new_state)  # As nnx.jit: statistics, RNG counters.
     return out
 
-  def _call(self, tree, lifted: bool):
+  def _call(self, tree, lifted: bool, loop: Optional[str] = None):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     mask = tuple(_is_array(x) for x in leaves)
     dyn = [x for x, m in zip(leaves, mask) if m]
     static = tuple(x for x, m in zip(leaves, mask) if not m)
-    key = (treedef, mask, static, lifted)
+    key = (treedef, mask, static, lifted, loop)
     try:
       entry = self.cache.get(key)
     except TypeError:  # Unhashable static leaves: no cache.
       key, entry = None, None
     if entry is None:
-      entry = self._make(treedef, mask, static, lifted)
+      entry = self._make(treedef, mask, static, lifted, loop)
       if key is not None:
         self.cache[key] = entry
     jitted, outinfo = entry
@@ -612,13 +622,15 @@ class _Region:
     out_leaves = [next(it) if m else next(st) for m in out_mask]
     return jax.tree_util.tree_unflatten(out_tree, out_leaves)
 
-  def _make(self, treedef, mask, static, lifted):
+  def _make(self, treedef, mask, static, lifted, loop=None):
     outinfo: dict = {}
     fun = self.fun
     if nnx_support.is_graph_node(fun):
       fun = lambda module, *a, **k: module(*a, **k)
     if self.keep is not False:
       fun = _keeping_dtypes(fun, self.keep)
+    elif loop is not None:
+      fun = _keeping_carry(fun, loop)
     caller = "jaxmp." + self.name.split("jaxmp_")[1].rsplit("_float", 1)[0]
 
     def flat_fun(*dyn):
@@ -695,6 +707,28 @@ def _keeping_dtypes(fun, keep):
   return kept
 
 
+def _keeping_carry(fun, loop: str):
+  """``fun``, a loop's body, whose carry outputs keep their traced dtypes.
+
+  A loop requires its body's carry out to have the carry in's type: the
+  carry's only legal dtype is the traced one, so autocast keeps it by itself
+  (as ``keep_output_dtypes=True`` would, for the carry only). A scan body's
+  stacked outputs ``y`` keep the dtypes the rules give them.
+  """
+  keep_all = _keeping_dtypes(fun, True)
+  if loop != "scan":
+    return keep_all
+
+  def kept(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+      return out  # Not (carry, y): lax.scan says what it expects.
+    carry = _keeping_dtypes(lambda: out[0], True)()
+    return [carry, out[1]] if isinstance(out, list) else (carry, out[1])
+
+  return kept
+
+
 def _signature(dyn) -> tuple:
   return tuple((tuple(x.shape), str(x.dtype)) for x in dyn)
 
@@ -732,10 +766,11 @@ def autocast(
 
   Output dtypes change: an output computed by a matrix product (a logit, a
   hidden state) comes back in ``dtype``, not in the dtype ``fun`` returns
-  without autocast. Where the caller needs the dtypes unchanged, the body
-  of a ``lax.scan``/``while_loop``/``fori_loop`` whose carry must keep its
-  type, pass ``keep_output_dtypes=True`` (or autocast the whole function
-  that runs the loop: its carries keep their dtypes).
+  without autocast. Where the caller needs the dtypes unchanged, pass
+  ``keep_output_dtypes=True``. A ``fun`` handed to ``lax.scan``,
+  ``while_loop`` or ``fori_loop`` as its body keeps its carry's dtype by
+  itself (the only dtype the loop accepts); a scan body's stacked outputs
+  follow the rules.
 
   Flax NNX modules and ``nnx.Rngs`` may be passed as arguments (or be
   ``fun`` itself): they are split into their state for the
@@ -757,11 +792,11 @@ def autocast(
       logger; a callable is also given the report. The flags are computed on
       the device and reported by one ``jax.debug.callback`` per call.
     keep_output_dtypes: ``False`` (default): outputs take the dtypes the
-      rules give them. ``True``: every floating output is cast back to the
-      dtype ``fun`` returns without autocast (the carry of a loop body
-      stays fp32). Or a tree of bools, a prefix of the output's structure,
-      to choose per output: ``(True, False)`` for a scan body's ``(carry,
-      y)``.
+      rules give them, except a loop body's carry, which keeps its traced
+      dtype. ``True``: every floating output is cast back to the dtype
+      ``fun`` returns without autocast. Or a tree of bools, a prefix of the
+      output's structure, to choose per output: ``(True, True)`` also keeps
+      a scan body's stacked outputs ``y``.
     fp8: ``True`` or a :class:`Fp8Recipe`: every floating ``dot_general``
       (and convolution, where the backend runs fp8 convolutions) runs on
       ``float8_e4m3fn`` operands with per-tensor current scaling, its
@@ -805,7 +840,7 @@ def autocast(
     return outs
 
   name = f"{_AUTOCAST_MARK}_{dtype.name}" + ("_fp8" if recipe else "")
-  return _wrap(fun, _Region(fun, name, impl, keep_output_dtypes))
+  return _wrap(fun, _Region(fun, name, impl, keep_output_dtypes, loops=True))
 
 
 def _wrap(fun, region):

@@ -44,8 +44,8 @@ from jaxmp._src import diagnostics as diag
 from jaxmp._src import dtypes
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import master_weights as masters_lib
-from jaxmp._src import sharding as sharding_lib
 from jaxmp._src import spikes as spikes_lib
+from jaxmp._src import sharding as sharding_lib
 from jaxmp._src import unscaled
 
 # Re-exported: the public names live here since the first release.

@@ -4,7 +4,7 @@ XLA's under its defaults, XLA's under ``jaxmp.cpu_compiler_options()``, and
 PyTorch's.
 
 Run: ``pip install -e .[bench]`` (torch 2.13.0), then
-``python bench/conv_grads.py``  (about 2 minutes on 2 cores).
+``python bench/diagnose/conv_grads.py``  (about 2 minutes on 2 cores).
 
 History. On jaxlib 0.10.2 the kernel gradient was the slowest op of the fp32
 ResNet18 step (``bench/cpu_vs_torch.py``): 16-19x oneDNN's at the first stage
