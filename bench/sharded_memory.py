@@ -205,6 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
   parser.add_argument("--depth", type=int, default=4)
   parser.add_argument("--reps", type=int, default=20)
   parser.add_argument("--smoke", action="store_true", help="tiny and quick")
+  parser.add_argument("--no-time", action="store_true", help="bytes only")
   parser.add_argument("--json", default="", help="write the rows here")
   args = parser.parse_args(argv)
   if args.smoke:
@@ -239,12 +240,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
       ]
       cells.append(_cell(row))
     print(f"| {n} | " + " | ".join(cells) + " |")
-  times = {n: step_time(params, n, args.reps) for n in (1, 8)}
-  print()
-  print(
-    f"jaxmp train step (CPU, informational): 1 device "
-    f"{1e3 * times[1]:.2f} ms, 8 devices (fsdp) {1e3 * times[8]:.2f} ms"
-  )
+  times = {}
+  if not args.no_time:
+    times = {n: step_time(params, n, args.reps) for n in (1, 8)}
+    print()
+    print(
+      f"jaxmp train step (CPU, informational): 1 device "
+      f"{1e3 * times[1]:.2f} ms, 8 devices (fsdp) {1e3 * times[8]:.2f} ms"
+    )
   (headline,) = [
     r
     for r in rows

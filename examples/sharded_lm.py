@@ -363,6 +363,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser.add_argument("--spike-factor", type=float, default=6.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--no-unsharded", action="store_true")
+  parser.add_argument(
+    "--no-resume", action="store_true", help="restore, but train no further"
+  )
   parser.add_argument("--workdir", default="", help="checkpoints (temp dir)")
   parser.add_argument("--out", default="", help="write the results (JSON)")
   parser.add_argument("--processes", type=int, default=1)
@@ -533,11 +536,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     x.sharding.is_equivalent_to(t.sharding, x.ndim)
     for x, t in zip(jax.tree.leaves(restored), target)
   )
-  ends, resumed = {}, {}
-  for name, (p, s) in {
+  ends, resumed = {}, {"checkpoint": [], "memory": []}
+  runs = {
     "checkpoint": (restored["params"], restored["opt_state"]),
     "memory": moved,
-  }.items():
+  }
+  for name, (p, s) in runs.items() if not args.no_resume else ():
     p, s, resumed[name] = trainer.train(
       on_other, p, s, args.save_at + 1, args.steps
     )
@@ -560,18 +564,24 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
   for i, loss in enumerate(losses):
     one = f"{unsharded[i]:.6f}" if unsharded else "-"
     j = i - args.save_at
-    r = f"{resumed['checkpoint'][j]:.6f}" if j >= 0 else ""
-    m = f"{resumed['memory'][j]:.6f}" if j >= 0 else ""
+    r = (
+      f"{resumed['checkpoint'][j]:.6f}"
+      if 0 <= j < len(resumed["checkpoint"])
+      else ""
+    )
+    m = f"{resumed['memory'][j]:.6f}" if 0 <= j < len(resumed["memory"]) else ""
     say(f"{i + 1:4d}  {loss:.6f}      {one:10s}  {r:16s}  {m}".rstrip())
   say(
     f"state at step {args.save_at}: saved {saved:08x}, restored on "
     f"{args.restore_mesh} {restored_print:08x}, shardings "
     + ("as the targets" if placed else "NOT as the targets")
   )
-  say(
-    f"state at step {args.steps} on {args.restore_mesh}: from the checkpoint "
-    f"{ends['checkpoint']:08x}, moved in memory {ends['memory']:08x}"
-  )
+  if ends:
+    say(
+      f"state at step {args.steps} on {args.restore_mesh}: from the "
+      f"checkpoint {ends['checkpoint']:08x}, moved in memory "
+      f"{ends['memory']:08x}"
+    )
   stats = jaxmp.stats(opt_state)
   say(
     f"skipped steps {_host(stats['skipped_steps'])}, "
@@ -590,8 +600,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     "saved_fingerprint": saved,
     "restored_fingerprint": restored_print,
     "restored_placed": placed,
-    "resumed_fingerprint": ends["checkpoint"],
-    "in_memory_fingerprint": ends["memory"],
+    "resumed_fingerprint": ends.get("checkpoint"),
+    "in_memory_fingerprint": ends.get("memory"),
   }
   if args.out and lead:
     with open(args.out, "w") as f:

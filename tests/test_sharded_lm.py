@@ -133,27 +133,27 @@ def test_two_processes_train_as_one(one_process, tmp_path):
   """2 processes x 4 CPU devices (gloo collectives) against 1 x 8.
 
   The same program over the same mesh: every param, master and moment bit
-  is the same from the start to the end, at the checkpoint that both
-  processes wrote and after its restore onto the other mesh. The losses
+  is the same from the start to the end and at the checkpoint that both
+  processes wrote, which they restore onto the other mesh. The losses
   are each a mean of 8 devices' partial sums, which gloo adds in another
   order than one process does: each within 8 fp32 units of its value (and
   so is the spike window, which keeps them).
   """
-  two = _run(tmp_path, "two", "--processes", "2", "--no-unsharded")
+  # Restored, not trained further: the resumed runs would only compile
+  # the other mesh's step again (the one-process run checks them).
+  two = _run(
+    tmp_path, "two", "--processes", "2", "--no-unsharded", "--no-resume"
+  )
   assert two["processes"] == 2
   assert two["bytes"] == one_process["bytes"]
-  assert two["weights_fingerprints"] == one_process["weights_fingerprints"]
-  assert set(two["weights_fingerprints"]) == {
-    "initial",
-    "saved",
-    "end",
-    "checkpoint",
-    "memory",
-  }
+  weights = two["weights_fingerprints"]
+  assert set(weights) == {"initial", "saved", "end"}
+  for key, value in weights.items():
+    assert value == one_process["weights_fingerprints"][key], key
   assert two["restored_placed"]
   assert two["restored_fingerprint"] == two["saved_fingerprint"]
-  assert two["resumed_fingerprint"] == two["in_memory_fingerprint"]
-  for key in ("losses", "resumed", "in_memory"):
+  assert two["resumed"] == two["in_memory"] == []
+  for key in ("losses",):
     for a, b in zip(two[key], one_process[key], strict=True):
       assert abs(a - b) <= 8 * F32_UNIT * abs(b), (key, a, b)
 
@@ -200,7 +200,7 @@ def test_memory_bench_smoke(tmp_path):
   )
   proc = subprocess.run(
     [sys.executable, os.path.join(ROOT, "bench", "sharded_memory.py")]
-    + ["--smoke", "--json", str(out)],
+    + ["--smoke", "--no-time", "--json", str(out)],
     env=env,
     capture_output=True,
     text=True,
