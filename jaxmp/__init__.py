@@ -18,6 +18,7 @@ from jaxmp._src.accessors import NonFiniteLossError
 from jaxmp._src.accessors import overflow_report
 from jaxmp._src.accessors import rollback_if_skipped
 from jaxmp._src.accessors import scale_loss
+from jaxmp._src.accessors import state_summary
 from jaxmp._src.accessors import stats
 from jaxmp._src.autocast import autocast
 from jaxmp._src.autocast import AutocastReport
@@ -37,6 +38,7 @@ from jaxmp._src.policy import get_preset
 from jaxmp._src.policy import Preset
 from jaxmp._src.policy import PRESETS
 from jaxmp._src.rounding import stochastic_round
+from jaxmp._src.state_codec import StateQuantization
 from jaxmp._src.unscaled import UnscaledGradientsWarning
 from jaxmp._src.value_and_grad import value_and_grad
 
@@ -71,6 +73,8 @@ __all__ = (
   "PRESETS",
   "rollback_if_skipped",
   "scale_loss",
+  "state_summary",
+  "StateQuantization",
   "stats",
   "stochastic_round",
   "UnscaledGradientsWarning",

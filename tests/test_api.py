@@ -51,6 +51,8 @@ PUBLIC = {
     "PRESETS",
     "rollback_if_skipped",
     "scale_loss",
+    "state_summary",
+    "StateQuantization",
     "stats",
     "stochastic_round",
     "UnscaledGradientsWarning",
