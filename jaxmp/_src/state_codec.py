@@ -14,12 +14,13 @@ it is; `state_summary` lists what was kept and why.
 
 The 8-bit code (``"int8"``) is block-wise, as bitsandbytes' 8-bit optimizers
 are, over a non-linear map: each block of ``block_size`` elements along a
-leaf's last axis has its own fp32 scale, ``absmax / 448``, and each element
-is stored as the 8 bits of the nearest ``float8_e4m3fn`` value of
-``x / scale`` (a sign, 4 exponent bits, 3 mantissa bits). So every element
-within 2**-6 of its block's largest magnitude keeps a relative error of at
-most 2**-4 (``|x| / absmax >= 2**-6 / 448 ~ 3.5e-5``); below that the codes
-are float8 subnormals, spaced ``absmax * 2**-9 / 448``. The map has the same
+leaf's last axis has its own fp32 scale, its largest finite magnitude
+``absmax``, and each element is stored as the 8 bits of the nearest
+``float8_e4m3fn`` value of ``256 * x / absmax`` (a sign, 4 exponent bits, 3
+mantissa bits; 256 rather than float8's largest, 448, so that decoding,
+``code * absmax * 2**-8``, is exact). So every element down to
+``2**-14 * absmax`` (6e-5) keeps a relative error of at most 2**-4; below
+that the codes are float8 subnormals, spaced ``2**-17 * absmax``. The map has the same
 shape for both signs, so one code serves first moments (signed) and second
 moments (non-negative) alike, with no per-leaf guess of which is which.
 
@@ -27,13 +28,18 @@ Second moments: a positive ``nu`` that decodes to 0 turns Adam's update
 into ``mu / eps``, and training diverges. The non-linear map keeps 5
 decades of a block's range above its floor, and any nonzero element that
 would still round to 0 is stored as the smallest code of its sign
-(``absmax * 2**-9 / 448``) instead: a too-small ``nu`` comes back
+(``2**-17 * absmax``) instead: a too-small ``nu`` comes back
 larger, which only shrinks its step. Non-finite elements decode to NaN and
 do not spoil the scale of their block's finite elements.
 
 ``"bf16"`` stores each leaf as its round-to-nearest bfloat16 (2 bytes).
-Sign-based optimizers such as Lion amplify the rounding of their momentum;
-stochastic rounding would serve them better and is not implemented here.
+
+Rounding to nearest loses a change smaller than half a code's step: Lion's
+momentum (``b2 = 0.99``) and Adam's ``nu`` (``b2 = 0.999``) move by 1% and
+0.1% a step, below an 8-bit code's 2**-4. Stochastic rounding (the
+default of ``"int8"``) rounds up or down in proportion instead, so such changes survive in expectation;
+its random bits hash each element's fp32 bits and position (no key in the
+state, and a resumed run rounds as the uninterrupted one).
 
 Blocks run along the last axis only (padded to a multiple of the block, or
 one block per row when the last axis is shorter than ``block_size``): a
@@ -49,9 +55,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src import rounding
+
 KINDS = ("fp32", "bf16", "int8")
 _F8 = jnp.float8_e4m3fn
-_F8_MAX = 448.0
+_F8_TOP = 256.0  # A block's largest magnitude is coded as this.
 _F8_TINY = 2.0**-9  # The smallest positive float8_e4m3fn (a subnormal).
 
 
@@ -67,6 +75,12 @@ class StateQuantization:
       nearest bfloat16) or ``"int8"`` (8-bit codes with a scale per block).
     block_size: elements per block of ``"int8"``, along the last axis.
     min_size: leaves with fewer elements stay as they are (norms, biases).
+    rounding: ``"nearest"``, ``"stochastic"``, or ``None`` (the default):
+      stochastic for ``"int8"``, nearest for ``"bf16"``. Stochastic rounds
+      up or down at random in proportion, so that a small change of a moment (``nu``'s
+      ``(1 - b2) * g**2``, Lion's momentum) survives in expectation instead
+      of being rounded away step after step. The random bits are a hash of
+      each element's fp32 bits and position: no key, the same on a resume.
 
   >>> import jaxmp
   >>> jaxmp.StateQuantization("int8", block_size=128).min_size
@@ -76,9 +90,15 @@ class StateQuantization:
   kind: str = "int8"
   block_size: int = 256
   min_size: int = 4096
+  rounding: Optional[str] = None
 
   def __post_init__(self):
     """Checks the fields."""
+    if self.rounding not in (None, "nearest", "stochastic"):
+      raise ValueError(
+        "StateQuantization.rounding must be 'nearest', 'stochastic' or None, "
+        f"got {self.rounding!r}"
+      )
     if self.kind not in KINDS:
       raise ValueError(
         f"optimizer_state kind must be one of {KINDS}, got {self.kind!r}"
@@ -122,6 +142,7 @@ class Spec(NamedTuple):
   shape: tuple[int, ...]
   dtype: Any
   block: int  # Elements per block along the last axis (int8).
+  stochastic: bool = False
 
 
 class EncodedLeaf:
@@ -131,7 +152,8 @@ class EncodedLeaf:
     data: the codes: bfloat16 (``"bf16"``) or int8 (``"int8"``, the bits
       of float8_e4m3fn values; the leaf's shape, its last axis padded to a
       multiple of the block).
-    scale: fp32, one per block (``"int8"``); ``None`` for ``"bf16"``.
+    scale: fp32, one per block (``"int8"``): its largest finite magnitude;
+      ``None`` for ``"bf16"``.
     spec: the static `Spec`.
   """
 
@@ -169,7 +191,33 @@ def _blocks(shape: tuple[int, ...], block_size: int) -> tuple[int, int, int]:
   return last, block, -(-last // block) * block
 
 
-def encode_int8(x: jax.Array, block_size: int) -> EncodedLeaf:
+def _hash_bits(v: jax.Array) -> jax.Array:
+  """32 well-mixed bits per element from its fp32 bits and its position."""
+  bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint32)
+  index = jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape)
+  h = bits ^ (index * jnp.uint32(0x9E3779B9))
+  # MurmurHash3's finaliser: every input bit flips each output bit ~1/2.
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _round_f8_stochastic(y: jax.Array, bits: jax.Array) -> jax.Array:
+  """``y`` (fp32, ``|y| <= 256``) to a float8_e4m3fn neighbour at random."""
+  a = jnp.abs(y)
+  _, e = jnp.frexp(a)  # a = m * 2**e, 0.5 <= m < 1.
+  # The float8 grid step at a: 3 mantissa bits, subnormal below 2**-6.
+  ulp = jnp.ldexp(jnp.float32(1), jnp.maximum(e - 1, -6) - 3)
+  u = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+  r = jnp.floor(a / ulp + u) * ulp
+  return jnp.where(y < 0, -r, r).astype(_F8)
+
+
+def encode_int8(
+  x: jax.Array, block_size: int, stochastic: bool = False
+) -> EncodedLeaf:
   """The 8-bit block-wise code of ``x`` (see the module docstring)."""
   shape = tuple(x.shape)
   last, block, padded = _blocks(shape, block_size)
@@ -180,17 +228,20 @@ def encode_int8(x: jax.Array, block_size: int) -> EncodedLeaf:
   v = v.reshape(lead + (padded // block, block))
   finite = jnp.isfinite(v)
   absmax = jnp.max(jnp.where(finite, jnp.abs(v), 0.0), axis=-1)
-  inv = jnp.where(absmax > 0, _F8_MAX / absmax, 0.0)
+  inv = jnp.where(absmax > 0, _F8_TOP / absmax, 0.0)
   inv = jnp.where(jnp.isfinite(inv), inv, 0.0)
-  y = jnp.clip(v * inv[..., None], -_F8_MAX, _F8_MAX)
-  code = y.astype(_F8)
+  y = jnp.clip(v * inv[..., None], -_F8_TOP, _F8_TOP)
+  if stochastic:
+    code = _round_f8_stochastic(y, _hash_bits(v))
+  else:
+    code = y.astype(_F8)
   # A nonzero element never decodes to zero: the smallest code of its sign.
   floor = jnp.where(v < 0, -_F8_TINY, _F8_TINY).astype(_F8)
   code = jnp.where((code.astype(jnp.float32) == 0) & (v != 0), floor, code)
   code = jnp.where(finite, code, jnp.asarray(jnp.nan, _F8))
   data = jax.lax.bitcast_convert_type(code, jnp.int8).reshape(lead + (padded,))
-  scale = absmax / _F8_MAX
-  return EncodedLeaf(data, scale, Spec("int8", shape, x.dtype, block))
+  spec = Spec("int8", shape, x.dtype, block, stochastic)
+  return EncodedLeaf(data, absmax, spec)
 
 
 def decode(e: EncodedLeaf) -> jax.Array:
@@ -201,17 +252,21 @@ def decode(e: EncodedLeaf) -> jax.Array:
   last, block, padded = _blocks(spec.shape, spec.block)
   lead = spec.shape[:-1]
   code = jax.lax.bitcast_convert_type(e.data, _F8).astype(jnp.float32)
-  v = code.reshape(lead + (padded // block, block)) * e.scale[..., None]
+  scale = e.scale[..., None] * (1.0 / _F8_TOP)  # Exact: a power of two.
+  v = code.reshape(lead + (padded // block, block)) * scale
   v = v.reshape(lead + (padded,))[..., :last]
   return v.reshape(spec.shape).astype(spec.dtype)
 
 
 def encode(x: jax.Array, codec: StateQuantization) -> EncodedLeaf:
   """``x`` encoded as ``codec`` says."""
+  stochastic = codec.rounding == "stochastic" or (
+    codec.rounding is None and codec.kind == "int8"
+  )
   if codec.kind == "bf16":
-    spec = Spec("bf16", tuple(x.shape), x.dtype, 1)
-    return EncodedLeaf(x.astype(jnp.bfloat16), None, spec)
-  return encode_int8(x, codec.block_size)
+    spec = Spec("bf16", tuple(x.shape), x.dtype, 1, stochastic)
+    return encode_with(x, spec)
+  return encode_int8(x, codec.block_size, stochastic)
 
 
 def _encodable(x, param, codec: StateQuantization) -> bool:
@@ -279,8 +334,13 @@ def encode_like(new_state: Any, encoded: Any) -> Any:
 def encode_with(x: jax.Array, spec: Spec) -> EncodedLeaf:
   """``x`` encoded with an existing leaf's `Spec`."""
   if spec.kind == "bf16":
-    return EncodedLeaf(x.astype(jnp.bfloat16), None, spec)
-  return encode_int8(x.astype(spec.dtype), spec.block)
+    x = x.astype(jnp.float32)
+    if spec.stochastic:
+      data = rounding.round_with_bits(x, jnp.bfloat16, _hash_bits(x))
+    else:
+      data = x.astype(jnp.bfloat16)
+    return EncodedLeaf(data, None, spec)
+  return encode_int8(x.astype(spec.dtype), spec.block, spec.stochastic)
 
 
 def summary_rows(state: Any, codec: Optional[StateQuantization]) -> list:
@@ -300,7 +360,8 @@ def summary_rows(state: Any, codec: Optional[StateQuantization]) -> list:
     dtype = jnp.dtype(getattr(x, "dtype", np.asarray(x).dtype))
     size = int(np.prod(shape))
     note = ""
-    if codec is not None and jnp.issubdtype(dtype, jnp.floating) and shape:
+    inner = path.startswith(".inner_state")
+    if inner and codec and jnp.issubdtype(dtype, jnp.floating) and shape:
       note = (
         f"kept: under min_size ({size} < {codec.min_size})"
         if size < codec.min_size
