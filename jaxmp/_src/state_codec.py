@@ -60,7 +60,6 @@ from jaxmp._src import rounding
 KINDS = ("fp32", "bf16", "int8")
 _F8 = jnp.float8_e4m3fn
 _F8_TOP = 256.0  # A block's largest magnitude is coded as this.
-_F8_TINY = 2.0**-9  # The smallest positive float8_e4m3fn (a subnormal).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,11 +206,15 @@ def _hash_bits(v: jax.Array) -> jax.Array:
 def _round_f8_stochastic(y: jax.Array, bits: jax.Array) -> jax.Array:
   """``y`` (fp32, ``|y| <= 256``) to a float8_e4m3fn neighbour at random."""
   a = jnp.abs(y)
-  _, e = jnp.frexp(a)  # a = m * 2**e, 0.5 <= m < 1.
-  # The float8 grid step at a: 3 mantissa bits, subnormal below 2**-6.
-  ulp = jnp.ldexp(jnp.float32(1), jnp.maximum(e - 1, -6) - 3)
+  # The float8 grid step at a: 3 mantissa bits below a's binade, and
+  # 2**-9 (the subnormals' step) from 2**-6 down; built from a's exponent
+  # bits, as are its reciprocal (both powers of two, so exact).
+  e = jax.lax.bitcast_convert_type(a, jnp.uint32) >> 23
+  e = jnp.maximum(e, jnp.uint32(127 - 6)) - 3
+  ulp = jax.lax.bitcast_convert_type(e << 23, jnp.float32)
+  inv = jax.lax.bitcast_convert_type((254 - e) << 23, jnp.float32)
   u = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
-  r = jnp.floor(a / ulp + u) * ulp
+  r = jnp.floor(a * inv + u) * ulp
   return jnp.where(y < 0, -r, r).astype(_F8)
 
 
@@ -235,11 +238,14 @@ def encode_int8(
     code = _round_f8_stochastic(y, _hash_bits(v))
   else:
     code = y.astype(_F8)
-  # A nonzero element never decodes to zero: the smallest code of its sign.
-  floor = jnp.where(v < 0, -_F8_TINY, _F8_TINY).astype(_F8)
-  code = jnp.where((code.astype(jnp.float32) == 0) & (v != 0), floor, code)
-  code = jnp.where(finite, code, jnp.asarray(jnp.nan, _F8))
-  data = jax.lax.bitcast_convert_type(code, jnp.int8).reshape(lead + (padded,))
+  # The selects run on the int8 bits (XLA:CPU emulates float8 arithmetic).
+  code = jax.lax.bitcast_convert_type(code, jnp.int8)
+  # A nonzero element never decodes to zero: the smallest code of its sign
+  # (0x01, 0x81: 2**-9 and -2**-9).
+  floor = jnp.where(v < 0, jnp.int8(-127), jnp.int8(1))
+  code = jnp.where(((code & 0x7F) == 0) & (v != 0), floor, code)
+  code = jnp.where(finite, code, jnp.int8(0x7F))  # NaN.
+  data = code.reshape(lead + (padded,))
   spec = Spec("int8", shape, x.dtype, block, stochastic)
   return EncodedLeaf(data, absmax, spec)
 
