@@ -261,6 +261,7 @@ def test_bytes_of_the_encoded_state():
   assert sizes["int8"] == 2 * (n + 4 * n // 256) + small
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_a_skipped_step_leaves_the_codes_bit_for_bit(kind):
   params = {"w": jnp.linspace(-1, 1, 64 * 64, dtype=BF16).reshape(64, 64)}
@@ -301,3 +302,52 @@ def test_bad_optimizer_state_is_one_clear_error():
     jaxmp.mixed_precision(optax.adam(1e-3), optimizer_state="fp8")
   with pytest.raises(ValueError, match="block_size must be a positive int"):
     jaxmp.StateQuantization("int8", block_size=0)
+
+
+@pytest.mark.invariant
+@pytest.mark.devices(4)
+def test_sharded_params_give_the_unsharded_codes_bit_for_bit():
+  """Rows over 4 devices: blocks run along the unsharded last axis."""
+  params = {"w": jnp.linspace(-1, 1, 8 * 512, dtype=BF16).reshape(8, 512)}
+  grads = {"w": jnp.cos(params["w"] * 9)}
+  opt = jaxmp.mixed_precision(
+    optax.adam(1e-2),
+    loss_scale=1.0,
+    master_weights="remainder",
+    optimizer_state="int8",
+  )
+
+  def run(params, grads):
+    state = jax.jit(opt.init)(params)
+    step = jax.jit(opt.update)
+    for _ in range(3):
+      updates, state = step(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    return params, state
+
+  ref = run(params, grads)
+  mesh = jax.make_mesh((4,), ("d",))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+  put = lambda t: jax.tree.map(lambda x: jax.device_put(x, rows), t)
+  got = run(put(params), put(grads))
+  assert _bits(got) == _bits(ref)
+  assert got[0]["w"].sharding.is_equivalent_to(rows, 2)
+
+
+def test_under_multi_steps_a_window_equals_one_step_on_the_mean():
+  params = {"w": jnp.linspace(-1, 1, 64 * 64, dtype=BF16).reshape(64, 64)}
+  g = {"w": jnp.cos(params["w"] * 5)}
+  make = lambda: jaxmp.mixed_precision(
+    optax.adam(1e-2),
+    loss_scale=1.0,
+    master_weights="remainder",
+    optimizer_state="int8",
+  )
+  one, acc = make(), jaxmp.multi_steps(make(), 2)
+  _, s1 = jax.jit(one.update)(g, one.init(params), params)
+  state = acc.init(params)
+  step = jax.jit(acc.update)
+  for _ in range(2):
+    _, state = step(g, state, params)
+  inner = jaxmp.find_state(state).inner_state
+  assert _bits(inner) == _bits(s1.inner_state)
