@@ -28,6 +28,13 @@ fp32 Adam takes 12, jaxmp with fp32 masters and fp32 state 14.
   (max - min) over the seeds. And where the params of ``"remainder"`` sit
   against their exact masters: the mean offset in ulps (round to nearest:
   0; truncation would be -0.5 in magnitude, toward zero).
+* **lm** (not in the default parts; needs flax, a few minutes): the byte
+  LM of ``examples/byte_lm_autocast.py`` (width 64, depth 2, 4 heads) with
+  bfloat16 params (upcast for an fp32 forward pass), AdamW (lr 3e-3, weight
+  decay 1e-2), 400 steps of 16 x 64 bytes of ``README.md``, seeds 0, 1, 2:
+  the mean loss of the last 50 steps and the loss on 64 more sequences of
+  the same text (drawn after the training batches, so not held out from the
+  text), per combination, mean and spread over the seeds.
 * **time**: the jitted ``update`` + ``apply_updates`` of each combination
   on the same shapes divided by 8 (``BENCH_SHRINK``), the fastest of
   ``BENCH_REPS`` (default 20) calls, all combinations interleaved, relative
@@ -235,6 +242,79 @@ def quality_table(seeds):
   )
 
 
+def _byte_lm():
+  import importlib.util  # pylint: disable=g-import-not-at-top
+
+  path = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "examples"
+  )
+  spec = importlib.util.spec_from_file_location(
+    "byte_lm_autocast", os.path.join(path, "byte_lm_autocast.py")
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _lm_run(lm, data, masters, state_kind, seed, steps=400, batch=16):
+  model = lm.ByteLM(width=64, depth=2, num_heads=4)
+  length = 64
+  rng = np.random.default_rng(seed)
+  starts = rng.integers(0, len(data) - length - 1, (steps + 4, batch))
+  tokens = np.stack(
+    [[data[s : s + length + 1] for s in row] for row in starts]
+  ).astype(np.int32)
+  train_tokens, test_tokens = tokens[:steps], tokens[steps:].reshape(-1, 65)
+  params = model.init(jax.random.key(seed), tokens[0, :, :-1])["params"]
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+  opt = jaxmp.mixed_precision(
+    optax.adamw(3e-3, weight_decay=1e-2),
+    loss_scale=1.0,
+    master_weights=masters,
+    optimizer_state=state_kind,
+  )
+
+  def loss_fn(params, toks):
+    full = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    return lm.loss_fn(model.apply, full, toks)
+
+  @jax.jit
+  def train(params, state):
+    def body(carry, toks):
+      params, state = carry
+      loss, grads = jax.value_and_grad(loss_fn)(params, toks)
+      updates, state = opt.update(grads, state, params)
+      return (optax.apply_updates(params, updates), state), loss
+
+    (params, state), losses = jax.lax.scan(
+      body, (params, state), jnp.asarray(train_tokens)
+    )
+    return losses[-50:].mean(), loss_fn(params, jnp.asarray(test_tokens))
+
+  train_loss, test_loss = train(params, opt.init(params))
+  return float(train_loss), float(test_loss)
+
+
+def lm_table(seeds):
+  lm = _byte_lm()
+  root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+  with open(os.path.join(root, "README.md"), "rb") as f:
+    data = np.frombuffer(f.read(), np.uint8)
+  print(f"\nbyte LM, AdamW, 400 steps, seeds {seeds}\n")
+  print(
+    "| master_weights | optimizer_state | train loss (spread) | "
+    "loss on 64 more sequences (spread) |"
+  )
+  print("|---|---|---|---|")
+  for masters, state_kind in QUALITY:
+    runs = [_lm_run(lm, data, masters, state_kind, s) for s in seeds]
+    tr, te = [r[0] for r in runs], [r[1] for r in runs]
+    print(
+      f"| {masters} | {state_kind} | {np.mean(tr):.4f} ({np.ptp(tr):.4f}) "
+      f"| {np.mean(te):.4f} ({np.ptp(te):.4f}) |"
+    )
+
+
 def time_table(shrink, reps):
   abstract = lm_params(shrink)
   keys = iter(jax.random.split(jax.random.key(0), 64))
@@ -288,9 +368,11 @@ def main():
     pass
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {cpu}\n")
   out = bytes_table() if "bytes" in parts else None
+  seeds = [int(s) for s in os.environ.get("BENCH_SEEDS", "0,1,2").split(",")]
   if "quality" in parts:
-    seeds = [int(s) for s in os.environ.get("BENCH_SEEDS", "0,1,2").split(",")]
     quality_table(seeds)
+  if "lm" in parts:
+    lm_table(seeds)
   if "time" in parts:
     time_table(
       int(os.environ.get("BENCH_SHRINK", "8")),
