@@ -8,6 +8,9 @@ import pytest
 
 from cifar_train import reporting
 
+# The reporter's own tests: `Reporter.plot` draws (tests/conftest.py).
+pytestmark = pytest.mark.plots
+
 
 def _stats(loss, scale, skipped, accuracy=0.5):
   return {
@@ -68,7 +71,6 @@ def test_first_skip_line_starts_from_the_initial_scale_and_counts_nan_losses(
     assert [json.loads(l)["nonfinite_loss_steps"] for l in f] == [2, 3]
 
 
-@pytest.mark.plots
 def test_plot_has_a_train_point_per_log_step_and_marks_skips(tmp_path):
   writer = _reporter(tmp_path)
   for step in range(1, 9):
