@@ -19,6 +19,7 @@ from jaxmp._src.accessors import overflow_report
 from jaxmp._src.accessors import rollback_if_skipped
 from jaxmp._src.accessors import scale_loss
 from jaxmp._src.accessors import SpikeStallError
+from jaxmp._src.accessors import state_summary
 from jaxmp._src.accessors import stats
 from jaxmp._src.autocast import autocast
 from jaxmp._src.autocast import AutocastReport
@@ -40,6 +41,7 @@ from jaxmp._src.policy import PRESETS
 from jaxmp._src.rounding import stochastic_round
 from jaxmp._src.spikes import SpikeSkip
 from jaxmp._src.sharding import state_shardings
+from jaxmp._src.state_codec import StateQuantization
 from jaxmp._src.unscaled import UnscaledGradientsWarning
 from jaxmp._src.value_and_grad import value_and_grad
 
@@ -77,6 +79,8 @@ __all__ = (
   "SpikeSkip",
   "SpikeStallError",
   "state_shardings",
+  "state_summary",
+  "StateQuantization",
   "stats",
   "stochastic_round",
   "UnscaledGradientsWarning",
