@@ -21,6 +21,7 @@ from jaxmp._src.transform.accessors import overflow_report
 from jaxmp._src.transform.accessors import rollback_if_skipped
 from jaxmp._src.transform.accessors import scale_loss
 from jaxmp._src.transform.accessors import SpikeStallError
+from jaxmp._src.transform.accessors import state_summary
 from jaxmp._src.transform.accessors import stats
 from jaxmp._src.autocast.regions import autocast
 from jaxmp._src.autocast.regions import no_autocast
@@ -42,6 +43,7 @@ from jaxmp._src.presets.policy import PRESETS
 from jaxmp._src.transform.rounding import stochastic_round
 from jaxmp._src.scaling.spikes import SpikeSkip
 from jaxmp._src.transform.sharding import state_shardings
+from jaxmp._src.state_codec import StateQuantization
 from jaxmp._src.scaling.unscaled import UnscaledGradientsWarning
 from jaxmp._src.transform.value_and_grad import value_and_grad
 
@@ -79,6 +81,8 @@ __all__ = (
   "SpikeSkip",
   "SpikeStallError",
   "state_shardings",
+  "state_summary",
+  "StateQuantization",
   "stats",
   "stochastic_round",
   "UnscaledGradientsWarning",

@@ -83,6 +83,17 @@ def tiny_config(data_dir: str, **overrides):
   return config
 
 
+def plot_series_only(reporter) -> None:
+  """`Reporter.plot` in the suite's runs of the app: the series, no drawing.
+
+  Drawing plots.png costs about 0.2 s of CPU per run (0.5 s for the first of
+  a process, importing matplotlib), in each of the suite's many runs; the
+  drawing is checked where a test is marked ``plots``
+  (tests/test_loop.py's end-to-end run, tests/test_reporting.py).
+  """
+  reporter.plot_series()
+
+
 def _one_block(create_model):
   def create_one_block_model(*args, **kwargs):
     return create_model(*args, **kwargs).clone(stage_sizes=(1,))
@@ -345,7 +356,10 @@ def main(spec_path: str) -> None:
   import tensorboardX  # noqa: F401
   import orbax.checkpoint  # noqa: F401
 
-  if spec.get("one_block"):  # The forked children inherit the patch.
+  from cifar_train import reporting  # pylint: disable=g-import-not-at-top
+
+  reporting.Reporter.plot = plot_series_only  # The children inherit these.
+  if spec.get("one_block"):
     from cifar_train import steps  # pylint: disable=g-import-not-at-top
 
     steps.create_model = _one_block(steps.create_model)
@@ -394,9 +408,11 @@ def distributed_main(spec_path: str, process_id: int) -> None:
     _print_host_reads(process_id)
     return
   from cifar_train import loop
+  from cifar_train import reporting
   from cifar_train import steps
   from cifar_train.errors import Preempted
 
+  reporting.Reporter.plot = plot_series_only
   if spec.get("one_block"):
     steps.create_model = _one_block(steps.create_model)
   job_index = _JOB_INDEX

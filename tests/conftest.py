@@ -65,6 +65,26 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
+def pytest_configure(config):
+  config.addinivalue_line(
+    "markers", "plots: the app's runs draw plots.png (otherwise not drawn)"
+  )
+
+
+@pytest.fixture(autouse=True)
+def _no_plots(request, monkeypatch):
+  """The app's runs in this process draw no plots.png (`plot_series_only`).
+
+  Unless the test is marked ``plots``; where the app is not imported (the
+  library's tests, the venv without the app) nothing changes.
+  """
+  reporting = sys.modules.get("cifar_train.reporting")
+  if reporting is not None and not request.node.get_closest_marker("plots"):
+    from _helpers import plot_series_only  # pylint: disable=g-import-not-at-top
+
+    monkeypatch.setattr(reporting.Reporter, "plot", plot_series_only)
+
+
 def pytest_unconfigure(config):
   del config
   if os.environ.get("JAXMP_TEST_CACHE_OWNER") == str(os.getpid()):

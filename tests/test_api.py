@@ -54,6 +54,8 @@ PUBLIC = {
     "SpikeSkip",
     "SpikeStallError",
     "state_shardings",
+    "state_summary",
+    "StateQuantization",
     "stats",
     "stochastic_round",
     "UnscaledGradientsWarning",

@@ -149,7 +149,7 @@ def test_byte_lm_example_products_are_half_and_the_rest_untouched():
   ns = _load("byte_lm_autocast.py")
   model = ns["ByteLM"](width=32, depth=1, num_heads=2, max_len=16)
   tokens = jnp.zeros((2, 17), jnp.int32)
-  params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+  params = jax.jit(model.init)(jax.random.key(0), tokens[:, :-1])["params"]
   loss = ns["loss_fn"]
   jaxpr = jax.make_jaxpr(
     jax.value_and_grad(functools.partial(loss, jaxmp.autocast(model.apply)))
@@ -159,8 +159,9 @@ def test_byte_lm_example_products_are_half_and_the_rest_untouched():
   # each with its transposes backward, all fp16 x fp16.
   assert len([p for p in products if p[0] == "dot_general"]) >= 3 * 7 - 1
   assert all(ins == HALF for _, ins, _ in products), products
-  value, grads = jax.value_and_grad(
-    functools.partial(loss, jaxmp.autocast(model.apply))
+  # Jitted: one compilation instead of one per operation.
+  value, grads = jax.jit(
+    jax.value_and_grad(functools.partial(loss, jaxmp.autocast(model.apply)))
   )(params, tokens)
   assert value.dtype == jnp.float32
   assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype("float32")}

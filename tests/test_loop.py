@@ -34,6 +34,7 @@ from cifar_train.errors import ConfigError
 from configs import default
 
 
+@pytest.mark.plots
 def test_train_and_evaluate_synthetic_writes_everything(
   make_config, data_dir, tmp_path
 ):

@@ -34,7 +34,7 @@ import jaxmp
 
 pytestmark = pytest.mark.invariant
 
-MODES = ("fp32", "kahan", "stochastic", "none")
+MODES = ("fp32", "kahan", "stochastic", "none", "remainder")
 N, K, LR = 4096, 64, 1e-3
 ULP = 2.0**-8  # bfloat16's ulp in [0.5, 1).
 BF16 = jnp.bfloat16
@@ -182,11 +182,17 @@ def test_skips_change_nothing_but_the_counters(mode):
   skipped, s_state = _run(mode, params, [grads, bad, other, bad, bad, grads])
   assert int(s_state.skipped_steps) == 3
   assert _bits(skipped) == _bits(control)
-  for field in ("inner_state", "master_params", "compensation", "rounding_key"):
+  for field in (
+    "inner_state",
+    "master_params",
+    "compensation",
+    "rounding_key",
+    "remainder",
+  ):
     assert _bits(getattr(s_state, field)) == _bits(getattr(c_state, field))
 
 
-@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+@pytest.mark.parametrize("mode", ["kahan", "stochastic", "remainder"])
 def test_fixed_seed_is_deterministic_across_a_resume(mode):
   params, grads = _problem()
   seq = [grads, jax.tree.map(lambda g: g * 0.5, grads)] * 3
@@ -288,7 +294,9 @@ def test_master_params_is_the_best_fp32_estimate():
 
 
 def test_bad_mode_and_key_are_one_clear_error():
-  with pytest.raises(ValueError, match="'kahan' or 'stochastic', got 'fp16'"):
+  with pytest.raises(
+    ValueError, match="'stochastic' or 'remainder', got 'fp16'"
+  ):
     jaxmp.mixed_precision(optax.sgd(0.1), master_weights="fp16")
   with pytest.raises(ValueError, match="rounding_key must be an int seed"):
     jaxmp.mixed_precision(

@@ -39,15 +39,22 @@ def _signal_at_step(monkeypatch, step: int, signum: int) -> None:
   monkeypatch.setattr(preemption.Preemption, "reached", patched)
 
 
+@pytest.fixture(scope="module")
+def whole(make_config, data_dir, tiny_data, tmp_path_factory):
+  """The uninterrupted run's summary, once for both signals."""
+  del tiny_data  # Prepared.
+  with pytest.MonkeyPatch.context() as patch:
+    one_block_models(patch)
+    return loop.train_and_evaluate(
+      make_config(data_dir, **CONFIG), str(tmp_path_factory.mktemp("whole"))
+    )
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_one_process_saves_at_the_step_and_resumes_exactly(
-  signum, make_config, data_dir, tiny_data, tmp_path, monkeypatch, capsys
+  signum, whole, make_config, data_dir, tmp_path, monkeypatch, capsys
 ):
-  del tiny_data  # Prepared.
   one_block_models(monkeypatch)
-  whole = loop.train_and_evaluate(
-    make_config(data_dir, **CONFIG), str(tmp_path / "whole")
-  )
   workdir = str(tmp_path / "cut")
   capsys.readouterr()
   before = signal.getsignal(signum)

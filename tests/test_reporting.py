@@ -4,8 +4,12 @@ import json
 
 import numpy as np
 import PIL.Image
+import pytest
 
 from cifar_train import reporting
+
+# The reporter's own tests: `Reporter.plot` draws (tests/conftest.py).
+pytestmark = pytest.mark.plots
 
 
 def _stats(loss, scale, skipped, accuracy=0.5):

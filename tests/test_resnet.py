@@ -290,9 +290,10 @@ class ResNetTest(parameterized.TestCase):
   @parameterized.named_parameters(
     ("fp32", dict()),
     # float16 convs and activations: the fused path adds the residual in
-    # float32 before rounding, plain flax in float16.
+    # float32 before rounding, plain flax in float16. (float16 conv params
+    # too, O2, would give the BatchNorms the same inputs and float32 params:
+    # norm_dtype, checked by test_o2_dtypes.)
     ("o1", dict(dtype=f16)),
-    ("o2", dict(dtype=f16, param_dtype=f16)),
     ("unbiased_var_imagenet", IMAGENET),
   )
   def test_fused_matches_plain_train(self, kwargs):

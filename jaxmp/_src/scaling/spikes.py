@@ -122,10 +122,14 @@ def check_config(skip_spikes: Any) -> Optional[SpikeSkip]:
 
 
 def init(config: SpikeSkip) -> SpikeState:
-  """Empty windows: nothing is dropped until one has filled."""
-  zero = jnp.zeros([], jnp.int32)
-  empty = jnp.zeros([config.window], jnp.float32)
-  return SpikeState(empty, zero, empty, zero, zero, zero)
+  """Empty windows: nothing is dropped until one has filled.
+
+  Every leaf is its own array: an eagerly built state shares no buffer
+  between two leaves, so a step that donates it can donate each once.
+  """
+  zero = lambda: jnp.zeros([], jnp.int32)
+  empty = lambda: jnp.zeros([config.window], jnp.float32)
+  return SpikeState(empty(), zero(), empty(), zero(), zero(), zero())
 
 
 def check_state(config: Optional[SpikeSkip], spikes: Any) -> None:

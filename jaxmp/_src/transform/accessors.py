@@ -20,6 +20,7 @@ from jaxmp._src.transform import master_weights as masters_lib
 from jaxmp._src.transform import mixed_precision as mp
 from jaxmp._src import nnx_support
 from jaxmp._src.transform import placement
+from jaxmp._src import state_codec
 from jaxmp._src.scaling import unscaled
 
 
@@ -264,6 +265,52 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     spike_skips=spike_skips,
     consecutive_spike_skips=run,
   )
+
+
+def state_summary(opt_state: Any) -> "StateSummary":
+  """Returns how each leaf of the `mixed_precision` state is stored.
+
+  One row per leaf (a ``StateRow``: ``path``, ``shape``, ``stored``,
+  ``nbytes``, ``note``): the inner optimizer's state, encoded (``"int8"``,
+  ``"bf16"``) or kept as it is (the note says why: under ``min_size``, or
+  not a param-shaped leaf), the master buffers and the counters. Its
+  ``nbytes`` is the total; its ``str`` a table. Host-side, no transfer.
+
+  Args:
+    opt_state: the optax state holding a `mixed_precision` state.
+
+  Returns:
+    A `StateSummary`, a list of rows.
+
+  >>> import jax.numpy as jnp, optax, jaxmp
+  >>> opt = jaxmp.mixed_precision(
+  ...     optax.adam(1e-3), optimizer_state=jaxmp.StateQuantization(
+  ...         "int8", min_size=256))
+  >>> params = {"w": jnp.ones((4, 256), jnp.bfloat16), "b": jnp.ones(4)}
+  >>> summary = jaxmp.state_summary(opt.init(params))
+  >>> [(r.path, r.stored, r.nbytes) for r in summary if "mu" in r.path]
+  [(".inner_state[0].mu['b']", 'float32', 16), (".inner_state[0].mu['w']", 'int8', 1040)]
+  """
+  state = find_state(opt_state)
+  codec = getattr(state, "optimizer_state", None)
+  return StateSummary(state_codec.summary_rows(state, codec))
+
+
+class StateSummary(list):
+  """The rows of `state_summary`; ``nbytes`` sums them, ``str`` is a table."""
+
+  @property
+  def nbytes(self) -> int:
+    """The bytes of every leaf."""
+    return sum(r.nbytes for r in self)
+
+  def __str__(self) -> str:
+    """One line per leaf, then the total."""
+    lines = [
+      f"{r.path:<48} {str(r.shape):<16} {r.stored:<9} {r.nbytes:>10}  {r.note}"
+      for r in self
+    ]
+    return "\n".join(lines + [f"total {self.nbytes} bytes"])
 
 
 _RENAMED_STATS = {

@@ -16,10 +16,22 @@ mode                buffers             fp32 view            target
 ``"fp32"``          fp32 masters        the master           ``cast(master)``
 ``"kahan"``         compensation ``c``  ``param + c``        nearest half
 ``"stochastic"``    one PRNG key        the upcast param     stochastic round
+``"remainder"``     int16 low bits      ``param ++ r``       nearest, ties up
 ``"none"``          nothing             the upcast param     ``param + u``
 ==================  ==================  ===================  ================
 
 fp32 params are their own masters in every mode: no buffer, no target.
+
+``"remainder"`` (bfloat16 params only) keeps the fp32 master exactly in 2
+bytes: bfloat16 is the upper half of float32's bits, so the master is the
+param's 16 bits followed by 16 more. The param is the master rounded to
+nearest with ties away from zero (not to even: the signed remainder of a
+round-to-nearest-even spans -0x8000..+0x8000, 65,537 values, one more than
+16 bits hold; with ties one fixed way it spans -0x8000..0x7FFF, an int16).
+The param so equals ``cast(master)`` of the fp32 mode except on exact ties
+(the master's low 16 bits exactly 0x8000, one master in 65,536), where it is
+one ulp farther from zero. Truncation would fit as well, but its params sit
+half an ulp below the master on average, a bias of ``2**-9`` relative.
 """
 
 from typing import Any, NamedTuple, Optional, Union
@@ -31,7 +43,7 @@ import numpy as np
 from jaxmp._src import dtypes
 from jaxmp._src.transform import rounding
 
-MODES = ("fp32", "none", "kahan", "stochastic")
+MODES = ("fp32", "none", "kahan", "stochastic", "remainder")
 
 
 class Buffers(NamedTuple):
@@ -42,11 +54,14 @@ class Buffers(NamedTuple):
     compensation: the rounding error of each half param (``"kahan"``).
     rounding_key: the raw ``uint32[2]`` key of the next step's rounding
       (``"stochastic"``).
+    remainder: the low 16 bits of each bfloat16 param's fp32 master, an
+      int16 (``"remainder"``).
   """
 
   master_params: Any = None
   compensation: Any = None
   rounding_key: Optional[jax.Array] = None
+  remainder: Any = None
 
 
 class Placeholder:
@@ -249,7 +264,104 @@ class Stochastic:
     )
 
 
-Mode = Union[Fp32Masters, RoundToNearest, Kahan, Stochastic]
+_SIGN = 0x8000  # The sign bit of a bfloat16 (and of an int16).
+
+
+def split_master(m: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Splits an fp32 master into ``(param, remainder)``: bfloat16 and int16.
+
+  The param is ``m`` rounded to nearest, ties away from zero; the remainder
+  is ``bits(m) - bits(param) << 16``, in ``-0x8000..0x7FFF``. Where the
+  param is a zero the remainder holds the master's sign in its sign bit
+  instead (its magnitude is below ``0x8000`` there), so that the master
+  does not depend on which zero the param lands on. A NaN master keeps its
+  sign and upper bits, quieted (a bfloat16 NaN), and loses its low payload.
+  `join_master` inverts it bit for bit for every other fp32 value.
+  """
+  bits = jax.lax.bitcast_convert_type(m.astype(jnp.float32), jnp.uint32)
+  # Rounds the magnitude half up: ties away from zero (the sign is bit 31).
+  hi = (bits + jnp.uint32(0x8000)) >> 16
+  nan = jnp.isnan(m)
+  hi = jnp.where(nan, (bits >> 16) | jnp.uint32(0x0040), hi)
+  low = jax.lax.bitcast_convert_type(bits - (hi << 16), jnp.int32)
+  low = jnp.where(nan, 0, low)
+  zero = (hi & jnp.uint32(0x7FFF)) == 0
+  low = jnp.where(zero & (hi >= _SIGN), low - _SIGN, low)
+  param = jax.lax.bitcast_convert_type(hi.astype(jnp.uint16), jnp.bfloat16)
+  return param, low.astype(jnp.int16)
+
+
+def join_master(param: jax.Array, remainder: jax.Array) -> jax.Array:
+  """The fp32 master of a bfloat16 ``param`` and its int16 ``remainder``."""
+  hi = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32)
+  low = remainder.astype(jnp.int32)
+  bits = (hi << 16) + jax.lax.bitcast_convert_type(low, jnp.uint32)
+  # A zero param: the sign and the magnitude are the remainder's.
+  low16 = jax.lax.bitcast_convert_type(remainder, jnp.uint16)
+  zero_bits = jnp.where(
+    low < 0,
+    jnp.uint32(0x80000000) | (low16 & 0x7FFF).astype(jnp.uint32),
+    low16.astype(jnp.uint32),
+  )
+  bits = jnp.where((hi & jnp.uint32(0x7FFF)) == 0, zero_bits, bits)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+class Remainder:
+  """``"remainder"``: the fp32 master as the bfloat16 param and 16 bits."""
+
+  name = "remainder"
+
+  def init(self, params) -> Buffers:
+    """A zero remainder per bfloat16 param; float16 params are rejected."""
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+      if jnp.dtype(p.dtype) == jnp.float16:
+        raise ValueError(
+          'master_weights="remainder" keeps a bfloat16 param\'s fp32 master '
+          "as the param's 16 bits and 16 more; float16 is no half of "
+          f"float32, and {jax.tree_util.keystr(path)} is float16. Use "
+          'master_weights="kahan" or "stochastic" (2 or 0 bytes a param) '
+          'or "fp32", or bfloat16 params'
+        )
+
+    def remainder(p):
+      if not dtypes.is_half(p):
+        return None
+      # An init master is the param itself: an all-zero remainder, but a
+      # -0.0 param's master is -0.0 (the sign goes to the remainder).
+      return split_master(p.astype(jnp.float32))[1]
+
+    return Buffers(
+      master_params=_no_masters(params),
+      remainder=jax.tree.map(remainder, params),
+    )
+
+  def view(self, params, buffers: Buffers):
+    """The masters: each bfloat16 param joined with its remainder."""
+
+    def view(r, p):
+      if p is None:
+        return None
+      return p.astype(jnp.float32) if r is None else join_master(p, r)
+
+    return jax.tree.map(
+      view, buffers.remainder, params, is_leaf=lambda x: x is None
+    )
+
+  def targets(self, params, new_view, buffers: Buffers, applied):
+    """The new masters' upper halves; their low halves are kept."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    hi, lo = [], []
+    for p, n in zip(leaves, treedef.flatten_up_to(new_view)):
+      h, l = split_master(n) if dtypes.is_half(p) else (None, None)
+      hi.append(h)
+      lo.append(l)
+    unflatten = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
+    remainder = _select(applied, unflatten(lo), buffers.remainder)
+    return unflatten(hi), buffers._replace(remainder=remainder)
+
+
+Mode = Union[Fp32Masters, RoundToNearest, Kahan, Stochastic, Remainder]
 
 
 def get_mode(master_weights, rounding_key=0) -> Mode:
@@ -258,8 +370,8 @@ def get_mode(master_weights, rounding_key=0) -> Mode:
     master_weights = "fp32" if master_weights else "none"
   if not (isinstance(master_weights, str) and master_weights in MODES):
     raise ValueError(
-      "master_weights must be True/'fp32', False/'none', 'kahan' or "
-      f"'stochastic', got {master_weights!r}"
+      "master_weights must be True/'fp32', False/'none', 'kahan', "
+      f"'stochastic' or 'remainder', got {master_weights!r}"
     )
   if master_weights == "fp32":
     return Fp32Masters()
@@ -267,6 +379,8 @@ def get_mode(master_weights, rounding_key=0) -> Mode:
     return RoundToNearest()
   if master_weights == "kahan":
     return Kahan()
+  if master_weights == "remainder":
+    return Remainder()
   return Stochastic(_host_key(rounding_key))
 
 

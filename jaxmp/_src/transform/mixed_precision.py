@@ -47,6 +47,7 @@ from jaxmp._src.transform import master_weights as masters_lib
 from jaxmp._src.transform import placement
 from jaxmp._src.scaling import spikes as spikes_lib
 from jaxmp._src.transform import sharding as sharding_lib
+from jaxmp._src import state_codec
 from jaxmp._src.scaling import unscaled
 
 # Re-exported: the public names live here since the first release.
@@ -55,6 +56,7 @@ LossScale = LossScaler  # The old name, kept for one release (deprecated).
 LossScaleConfig = loss_scale_lib.LossScaleConfig
 adjust_loss_scale = loss_scale_lib.adjust_loss_scale
 MASTER_WEIGHTS = masters_lib.MODES
+StateQuantization = state_codec.StateQuantization
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -100,6 +102,11 @@ class MixedPrecisionState(NamedTuple):
     spikes: with ``skip_spikes``, a ``SpikeState`` NamedTuple (the
       windows of recent losses and gradient norms, and the spike counters);
       ``None`` otherwise.
+    remainder: with ``master_weights="remainder"``, for each bfloat16 param
+      the low 16 bits of its fp32 master (int16); ``None`` elsewhere.
+    optimizer_state: static: the `jaxmp.StateQuantization` that encodes
+      ``inner_state``'s param-shaped leaves, ``None`` for fp32 state (no
+      leaf).
   """
 
   inner_state: optax.OptState
@@ -116,6 +123,8 @@ class MixedPrecisionState(NamedTuple):
   compensation: Any = None
   rounding_key: Optional[jax.Array] = None
   spikes: Optional[spikes_lib.SpikeState] = None
+  remainder: Any = None
+  optimizer_state: Optional[StateQuantization] = None
 
   @property
   def grads_finite(self) -> jax.Array:
@@ -204,6 +213,7 @@ def mixed_precision(
   diagnostics: bool = False,
   rounding_key: Union[int, jax.Array] = 0,
   skip_spikes: Optional[spikes_lib.SpikeSkip] = None,
+  optimizer_state: Union[str, StateQuantization] = "fp32",
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer with FP32 master params and loss scaling.
 
@@ -288,10 +298,19 @@ def mixed_precision(
     replicated params round identically; shards of a param split over
     devices each reuse the same stream (independent of each other only in
     that their values differ).
+  - ``"remainder"`` (bfloat16 params only): an int16 buffer (2 bytes)
+    holding the low 16 bits of the fp32 master, whose high 16 bits are the
+    param: `jaxmp.master_params` is bit for bit the master ``"fp32"`` keeps,
+    at half its bytes. The param is the master rounded to nearest with ties
+    away from zero: it differs from ``"fp32"``'s ``cast(master)`` only on
+    exact ties (one master in 65,536), by one ulp. Exact as long as each
+    param takes its update (the exceptions above: a param shrinking more
+    than 2**13-fold in one step, and bfloat16 subnormals where XLA flushes
+    them). float16 params are rejected (float16 is no half of float32).
   - ``False``/``"none"``: no buffer, round to nearest (Apex O3): an update
     below half an ulp of the param is lost.
 
-  Skipped steps leave masters, compensation and key untouched. fp32 params
+  Skipped steps leave masters, compensation, remainder and key untouched. fp32 params
   are their own masters in every mode. `jaxmp.master_params` returns the
   best fp32 estimate: the master, ``param + c``, or the upcast param.
 
@@ -322,7 +341,8 @@ def mixed_precision(
     hysteresis: a dynamic scale backs off only from the ``hysteresis``-th
       overflow in a row; every overflowed step is skipped regardless.
     master_weights: how half-precision params keep their fp32 updates:
-      ``True``/``"fp32"`` (fp32 masters), ``"kahan"``, ``"stochastic"`` or
+      ``True``/``"fp32"`` (fp32 masters), ``"kahan"``, ``"stochastic"``,
+      ``"remainder"`` (exact fp32 masters in 2 bytes, bfloat16 params) or
       ``False``/``"none"`` (Apex O3, the plain half update); see above.
     axis_name: name of a mapped axis (``shard_map``/``pmap``) over which the
       finite flag is reduced, so that every device skips together. Not needed
@@ -340,6 +360,15 @@ def mixed_precision(
     skip_spikes: a `jaxmp.SpikeSkip` to drop steps whose loss or gradient
       norm spikes (see above); ``None`` (the default) leaves the state and
       the compiled step exactly as without it.
+    optimizer_state: how ``inner``'s state is stored between steps:
+      ``"fp32"`` (as ``inner`` keeps it), ``"bf16"`` (2 bytes an element),
+      ``"int8"`` (1 byte, and an fp32 scale per block of 256 along the last
+      axis), or a `jaxmp.StateQuantization` with its block size and
+      ``min_size`` (leaves under 4096 elements are kept as they are). The
+      subtrees of the state shaped like the params (Adam's moments, a
+      momentum) are encoded leaf by leaf; each step decodes them, runs
+      ``inner`` in fp32 and encodes the result. `jaxmp.state_summary` lists
+      how each leaf is stored. A skipped step leaves the codes bit for bit.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; extra args go to ``inner``.
@@ -363,6 +392,7 @@ def mixed_precision(
     )
   mode = masters_lib.get_mode(master_weights, rounding_key)
   skip_spikes = spikes_lib.check_config(skip_spikes)
+  codec = state_codec.get_codec(optimizer_state)
   inner = optax.with_extra_args_support(inner)
 
   @sharding_lib.placed_like_params  # Also under jit: see `sharding`.
@@ -371,6 +401,7 @@ def mixed_precision(
     buffers = mode.init(params)
     inner_state = inner.init(mode.view(params, buffers))
     _check_inner_state(inner_state)
+    inner_state = state_codec.encode_state(inner_state, params, codec)
     return MixedPrecisionState(
       inner_state=inner_state,
       master_params=buffers.master_params,
@@ -386,6 +417,8 @@ def mixed_precision(
       compensation=buffers.compensation,
       rounding_key=buffers.rounding_key,
       spikes=spikes_lib.init(skip_spikes) if skip_spikes else None,
+      remainder=buffers.remainder,
+      optimizer_state=codec,
     )
 
   def update_fn(grads, state, params=None, *, loss=None, **extra_args):
@@ -426,12 +459,17 @@ def mixed_precision(
       )
       applied = finite & ~spike
     buffers = masters_lib.Buffers(
-      state.master_params, state.compensation, state.rounding_key
+      state.master_params,
+      state.compensation,
+      state.rounding_key,
+      state.remainder,
     )
     view = mode.view(params, buffers)
+    # Encoded state: decoded, updated in fp32 and encoded in this one step.
     inner_updates, inner_state = inner.update(
-      grads, state.inner_state, view, **extra_args
+      grads, state_codec.decode_state(state.inner_state), view, **extra_args
     )
+    inner_state = state_codec.encode_like(inner_state, state.inner_state)
     inner_state = jax.tree.map(
       lambda new, old: jnp.where(applied, new, old),
       inner_state,
@@ -468,6 +506,8 @@ def mixed_precision(
       compensation=buffers.compensation,
       rounding_key=buffers.rounding_key,
       spikes=spikes,
+      remainder=buffers.remainder,
+      optimizer_state=codec,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -606,11 +646,15 @@ def _next_counters(config, state, grads_finite, loss_finite):
 def full_view(params, state: MixedPrecisionState):
   """The fp32 view of ``params`` that the state keeps.
 
-  The masters, ``param + compensation`` (Kahan), or the upcast param.
+  The masters, ``param + compensation`` (Kahan), the param joined with its
+  remainder, or the upcast param.
   """
+  remainder = getattr(state, "remainder", None)
   buffers = masters_lib.Buffers(
-    state.master_params, state.compensation, state.rounding_key
+    state.master_params, state.compensation, state.rounding_key, remainder
   )
+  if remainder is not None:
+    return masters_lib.Remainder().view(params, buffers)
   if state.compensation is not None:
     return masters_lib.Kahan().view(params, buffers)
   return masters_lib.Fp32Masters().view(params, buffers)

@@ -249,12 +249,13 @@ def state_shardings(opt: Any, params: Any) -> Any:
 
   Args:
     opt: the optimizer (any optax `GradientTransformation`).
-    params: the params, concrete arrays or `jax.ShapeDtypeStruct`s, each with
-      a `jax.sharding.NamedSharding`, all on one mesh.
+    params: the params, concrete arrays or shape structs
+      (`jax.ShapeDtypeStruct`), each with a `jax.sharding.NamedSharding`,
+      all on one mesh.
 
   Returns:
     A pytree with the structure of ``jax.eval_shape(opt.init, params)``
-    whose leaves are `jax.sharding.NamedSharding`s.
+    whose leaves are each a `jax.sharding.NamedSharding`.
 
   Raises:
     ValueError: naming the param, for a param without a `NamedSharding` (an

@@ -1,0 +1,393 @@
+"""``optimizer_state="bf16"``/``"int8"``: the inner state stored encoded.
+
+The 8-bit code against a numpy reference (``ml_dtypes``' float8_e4m3fn
+casts, written out block by block), its error bound per block, its corner
+cases; then the codec inside `jaxmp.mixed_precision`: which leaves it
+encodes, their bytes, a skipped step, a checkpoint, and Adam, SGD momentum,
+Lion and Adafactor on a small regression task against fp32 state.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jaxmp
+from jaxmp._src import state_codec
+
+F8 = ml_dtypes.float8_e4m3fn
+BF16 = jnp.bfloat16
+
+
+def _reference(x: np.ndarray, block: int):
+  """The 8-bit code of the module docstring, in numpy: (codes, scales)."""
+  x = np.asarray(x, np.float32)
+  lead, last = x.shape[:-1], x.shape[-1]
+  block = min(block, last)
+  padded = -(-last // block) * block
+  v = np.zeros(lead + (padded,), np.float32)
+  v[..., :last] = x
+  v = v.reshape(lead + (padded // block, block))
+  finite = np.isfinite(v)
+  absmax = np.max(np.where(finite, np.abs(v), 0), axis=-1)
+  with np.errstate(divide="ignore"):
+    inv = np.where(absmax > 0, np.float32(256) / absmax, 0).astype(np.float32)
+  inv = np.where(np.isfinite(inv), inv, 0).astype(np.float32)
+  with np.errstate(invalid="ignore"):
+    y = np.clip(v * inv[..., None], -256, 256)
+  code = y.astype(F8)
+  floor = np.where(v < 0, -(2.0**-9), 2.0**-9).astype(F8)
+  code = np.where((code.astype(np.float32) == 0) & (v != 0), floor, code)
+  code = np.where(finite, code, np.array(np.nan, F8))
+  return code.view(np.int8).reshape(lead + (padded,)), absmax
+
+
+def _roundtrip(x, block=256):
+  e = jax.jit(lambda x: state_codec.encode_int8(x, block))(jnp.asarray(x))
+  return e, np.asarray(state_codec.decode(e))
+
+
+def _check_bound(x, dec, scale, block):
+  """Each finite element within max(2**-4 |x|, 2**-17 * its block's absmax)."""
+  x = np.asarray(x, np.float64)
+  last = x.shape[-1]
+  per_elem = np.repeat(scale, min(block, last), axis=-1)[..., :last]
+  finite = np.isfinite(x)
+  bound = np.maximum(2.0**-4 * np.abs(x), 2.0**-17 * per_elem)
+  err = np.abs(dec.astype(np.float64) - x)
+  assert np.all(err[finite] <= bound[finite])
+  # Signs kept, and a nonzero element never decodes to zero.
+  assert np.all((dec[finite] != 0) == (x[finite] != 0))
+  assert np.all(np.sign(dec[finite]) == np.sign(x[finite]))
+
+
+def test_int8_code_matches_the_numpy_reference_and_its_bound():
+  rng = np.random.default_rng(0)
+  # Rows of blocks whose magnitudes span 8 decades; a last axis of 300 is
+  # padded to two blocks of 256.
+  x = rng.normal(size=(6, 300)) * 10.0 ** rng.uniform(-6, 2, (6, 300))
+  x = x.astype(np.float32)
+  e, dec = _roundtrip(x)
+  codes, scales = _reference(x, 256)
+  np.testing.assert_array_equal(np.asarray(e.data), codes)
+  np.testing.assert_array_equal(np.asarray(e.scale), scales)
+  assert e.data.dtype == jnp.int8 and e.data.shape == (6, 512)
+  assert dec.shape == x.shape and dec.dtype == np.float32
+  _check_bound(x, dec, np.asarray(e.scale), 256)
+  # Down to 2**-14 of the block's largest magnitude: 2**-4 relative.
+  big = np.abs(x) >= 2.0**-14 * np.repeat(np.asarray(e.scale), 256, 1)[:, :300]
+  assert 0.3 < np.mean(big) < 0.95  # Both sides of it are tested.
+  assert np.all(np.abs(dec - x)[big] <= 2.0**-4 * np.abs(x)[big])
+
+
+def test_int8_zeros_infs_nans_and_one_huge_value():
+  x = np.ones((4, 64), np.float32)
+  x[0] = 0.0  # A block of zeros.
+  x[1, :8] = [np.inf, -np.inf, np.nan, 0.0, 3.0, -2.0, 1e-3, 5.0]
+  x[2, 5] = 1e30  # One huge value: its block's others hit the floor.
+  x[2, 6] = -1.0
+  x[3] = np.linspace(-1, 1, 64)
+  e, dec = _roundtrip(x, block=64)
+  codes, scales = _reference(x, 64)
+  np.testing.assert_array_equal(np.asarray(e.data), codes)
+  np.testing.assert_array_equal(np.asarray(e.scale), scales)
+  np.testing.assert_array_equal(dec[0], 0.0)
+  assert np.all(np.isnan(dec[1, :3]))  # Non-finite: NaN, never finite.
+  assert np.asarray(e.scale)[1, 0] == 5.0  # The finite ones'.
+  np.testing.assert_allclose(dec[1, 3:8], x[1, 3:8], rtol=2.0**-4)
+  assert dec[2, 5] == np.float32(1e30)
+  assert dec[2, 6] == np.float32(-1e30) * np.float32(2.0**-17)
+  assert np.all(dec[2, 7:] > 0)  # Floored, not zero.
+  np.testing.assert_allclose(dec[3], x[3], rtol=2.0**-4, atol=2.0**-17)
+  _check_bound(x, dec, np.asarray(e.scale), 64)
+
+
+def test_stochastic_rounding_is_unbiased_and_one_step_wide():
+  """Many elements of one value: their mean is the value, each a neighbour."""
+  x = np.full((64, 256), 0.3, np.float32)
+  x[:, 0] = 1.0  # absmax 1: 0.3 codes as 76.8, between 72 and 80.
+  x[:, 1:] += np.arange(255, dtype=np.float32) * 1e-9  # Distinct bits.
+  e = jax.jit(lambda x: state_codec.encode_int8(x, 256, True))(x)
+  dec = np.asarray(state_codec.decode(e))[:, 1:]
+  assert set(np.unique(dec).tolist()) == {72 / 256, 80 / 256}
+  # Up with probability 0.6: the mean within 5 standard errors of 0.3.
+  se = np.sqrt(0.6 * 0.4 / dec.size) * 8 / 256
+  assert abs(dec.mean() - 0.3) <= 5 * se
+  # Deterministic: the same input rounds the same way.
+  again = jax.jit(lambda x: state_codec.encode_int8(x, 256, True))(x)
+  np.testing.assert_array_equal(again.data, e.data)
+  # And never to zero, nor to the wrong sign.
+  y = np.random.default_rng(4).normal(size=(8, 256)).astype(np.float32)
+  y *= 10.0 ** np.random.default_rng(5).uniform(-8, 0, y.shape)
+  z = np.asarray(state_codec.decode(state_codec.encode_int8(y, 256, True)))
+  assert np.all(np.sign(z) == np.sign(y))
+  step = np.maximum(2.0**-3 * np.abs(y), 2.0**-17 * np.abs(y).max(1)[:, None])
+  assert np.all(np.abs(z - y) <= step)
+
+
+def test_a_positive_second_moment_never_decodes_to_zero():
+  rng = np.random.default_rng(1)
+  nu = (10.0 ** rng.uniform(-30, 0, (16, 256))).astype(np.float32)
+  nu[:, 0] = 1.0  # Every block spans 30 decades.
+  _, dec = _roundtrip(nu)
+  assert np.all(dec > 0)
+  assert np.all(dec >= np.minimum(nu, 2.0**-17) * (1 - 2.0**-4))
+
+
+def _bits(tree):
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def _task(seed=0, n=256, d=64, k=32):
+  """A linear regression with a bias: x (n, d) -> y (n, k)."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, d)).astype(np.float32)
+  w_true = rng.normal(size=(d, k)).astype(np.float32) / np.sqrt(d)
+  y = x @ w_true + 0.01 * rng.normal(size=(n, k)).astype(np.float32)
+  params = {"w": jnp.zeros((d, k), BF16), "b": jnp.zeros((k,))}
+  return params, jnp.asarray(x), jnp.asarray(y)
+
+
+def _loss(params, x, y):
+  pred = x @ params["w"].astype(jnp.float32) + params["b"]
+  return jnp.mean((pred - y) ** 2)
+
+
+def _train(inner, state_kind, steps, masters="fp32", min_size=1024):
+  params, x, y = _task()
+  opt = jaxmp.mixed_precision(
+    inner,
+    loss_scale=1.0,
+    master_weights=masters,
+    optimizer_state=jaxmp.StateQuantization(
+      state_kind, block_size=32, min_size=min_size
+    ),
+  )
+  state = opt.init(params)
+
+  @jax.jit
+  def run(params, state):
+    def body(carry, _):
+      params, state = carry
+      loss, g = jax.value_and_grad(_loss)(params, x, y)
+      updates, state = opt.update(g, state, params)
+      return (optax.apply_updates(params, updates), state), loss
+
+    (params, state), losses = jax.lax.scan(
+      body, (params, state), None, length=steps
+    )
+    return params, state, losses
+
+  params, state, losses = run(params, state)
+  return params, state, np.asarray(losses), float(_loss(params, x, y))
+
+
+OPTIMIZERS = {
+  "adam": (lambda: optax.adam(3e-2), ("mu", "nu")),
+  "sgd_momentum": (lambda: optax.sgd(3e-2, momentum=0.9), ("trace",)),
+  "lion": (lambda: optax.lion(3e-3), ("mu",)),
+  # Factored second moments: (64,) and (32,) rows and columns, left alone.
+  "adafactor": (
+    lambda: optax.adafactor(
+      3e-2, min_dim_size_to_factor=16, multiply_by_parameter_scale=False
+    ),
+    (),
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_low_bit_state_tracks_fp32_state(name, kind):
+  """200 steps: the final loss within 10% of fp32 state's, far below start.
+
+  Measured (Xeon, AVX-512): Adam 1.2%, SGD momentum 0.4%, Lion 4.2% (int8,
+  stochastic rounding; rounded to nearest Lion's int8 momentum stalls: 7x
+  the loss, and SGD momentum's 35% more); bf16 within 1.2% for all.
+  """
+  make, encoded = OPTIMIZERS[name]
+  _, _, ref_losses, ref = _train(make(), "fp32", 200)
+  _, state, losses, got = _train(make(), kind, 200)
+  assert ref < 0.05 * ref_losses[0]  # It did train.
+  assert abs(got - ref) <= 0.1 * ref, (got, ref)
+  rows = jaxmp.state_summary(state)
+  coded = {r.path for r in rows if r.note == "encoded"}
+  assert coded == {f".inner_state[0].{f}['w']" for f in encoded}, coded
+  for r in rows:
+    if r.note == "encoded":
+      assert r.stored == kind
+    if r.path.endswith("['b']") and r.shape == (32,):
+      assert "under min_size" in r.note
+
+
+def test_adafactor_keeps_its_factored_leaves_as_they_are():
+  _, state, _, _ = _train(
+    optax.adafactor(3e-2, min_dim_size_to_factor=16), "int8", 2, min_size=16
+  )
+  rows = {r.path: r for r in jaxmp.state_summary(state)}
+  for leaf in ("v_row['w']", "v_col['w']"):  # (64,) and (32,): factored.
+    row = rows[f".inner_state[0].{leaf}"]
+    assert row.stored == "float32", row
+    assert row.note == "kept: not a param-shaped leaf", row
+  # The unfactored second moment of the (32,) bias is param-shaped.
+  assert rows[".inner_state[0].v['b']"].stored == "int8"
+  assert [p for p, r in rows.items() if r.note == "encoded"] == [
+    ".inner_state[0].v['b']"
+  ]
+  assert rows[".master_params['w']"].note == ""  # Not the inner state.
+
+
+def test_bytes_of_the_encoded_state():
+  params = {"w": jnp.zeros((16, 512), BF16), "b": jnp.zeros((512,))}
+  n = 16 * 512
+  sizes = {}
+  for kind in ("fp32", "bf16", "int8"):
+    opt = jaxmp.mixed_precision(
+      optax.adam(1e-3), master_weights="remainder", optimizer_state=kind
+    )
+    state = opt.init(params)
+    inner = sum(x.nbytes for x in jax.tree.leaves(state.inner_state))
+    sizes[kind] = inner
+    assert jaxmp.state_summary(state).nbytes == sum(
+      x.nbytes for x in jax.tree.leaves(state)
+    )
+    assert state.remainder["w"].nbytes == 2 * n
+  small = 2 * 512 * 4 + 4  # b's mu and nu (under min_size), the count.
+  assert sizes["fp32"] == 2 * 4 * n + small
+  assert sizes["bf16"] == 2 * 2 * n + small
+  assert sizes["int8"] == 2 * (n + 4 * n // 256) + small
+
+
+@pytest.mark.invariant
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_a_skipped_step_leaves_the_codes_bit_for_bit(kind):
+  params = {"w": jnp.linspace(-1, 1, 64 * 64, dtype=BF16).reshape(64, 64)}
+  opt = jaxmp.mixed_precision(
+    optax.adam(1e-2),
+    loss_scale=1.0,
+    master_weights="remainder",
+    optimizer_state=kind,
+  )
+  step = jax.jit(opt.update)
+  g = {"w": jnp.cos(params["w"] * 7)}
+  _, state = step(g, opt.init(params), params)
+  before = jax.device_get(state)
+  _, after = step({"w": g["w"].at[0, 0].set(jnp.nan)}, state, params)
+  assert not bool(after.step_applied)
+  assert _bits(after.inner_state) == _bits(before.inner_state)
+  assert _bits(after.remainder) == _bits(before.remainder)
+
+
+def test_jit_identity_and_checkpoint_round_trip(tmp_path):
+  params, state, _, _ = _train(optax.adam(3e-2), "int8", 3, "remainder")
+  same = jax.jit(lambda s: s)(state)
+  assert jax.tree.structure(same) == jax.tree.structure(state)
+  assert _bits(same) == _bits(state)
+  tree = {"state": state, "params": params}
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "c", tree)
+  with ocp.StandardCheckpointer() as ckpt:
+    restored = ckpt.restore(
+      tmp_path / "c", jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    )
+  assert jax.tree.structure(restored) == jax.tree.structure(tree)
+  assert _bits(restored) == _bits(tree)
+
+
+def test_bad_optimizer_state_is_one_clear_error():
+  with pytest.raises(ValueError, match="'fp32', 'bf16', 'int8' or a"):
+    jaxmp.mixed_precision(optax.adam(1e-3), optimizer_state="fp8")
+  with pytest.raises(ValueError, match="block_size must be a positive int"):
+    jaxmp.StateQuantization("int8", block_size=0)
+
+
+@pytest.mark.invariant
+@pytest.mark.devices(4)
+def test_sharded_params_give_the_unsharded_codes_bit_for_bit():
+  """Rows over 4 devices: blocks run along the unsharded last axis."""
+  params = {"w": jnp.linspace(-1, 1, 8 * 512, dtype=BF16).reshape(8, 512)}
+  grads = {"w": jnp.cos(params["w"] * 9)}
+  opt = jaxmp.mixed_precision(
+    optax.adam(1e-2),
+    loss_scale=1.0,
+    master_weights="remainder",
+    optimizer_state="int8",
+  )
+
+  def run(params, grads):
+    state = jax.jit(opt.init)(params)
+    step = jax.jit(opt.update)
+    for _ in range(3):
+      updates, state = step(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    return params, state
+
+  ref = run(params, grads)
+  mesh = jax.make_mesh((4,), ("d",))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+  put = lambda t: jax.tree.map(lambda x: jax.device_put(x, rows), t)
+  got = run(put(params), put(grads))
+  assert _bits(got) == _bits(ref)
+  assert got[0]["w"].sharding.is_equivalent_to(rows, 2)
+
+
+def test_under_multi_steps_a_window_equals_one_step_on_the_mean():
+  params = {"w": jnp.linspace(-1, 1, 64 * 64, dtype=BF16).reshape(64, 64)}
+  g = {"w": jnp.cos(params["w"] * 5)}
+  make = lambda: jaxmp.mixed_precision(
+    optax.adam(1e-2),
+    loss_scale=1.0,
+    master_weights="remainder",
+    optimizer_state="int8",
+  )
+  one, acc = make(), jaxmp.multi_steps(make(), 2)
+  _, s1 = jax.jit(one.update)(g, one.init(params), params)
+  state = acc.init(params)
+  step = jax.jit(acc.update)
+  for _ in range(2):
+    _, state = step(g, state, params)
+  inner = jaxmp.find_state(state).inner_state
+  assert _bits(inner) == _bits(s1.inner_state)
+
+
+@pytest.mark.invariant
+@pytest.mark.devices(4)
+def test_a_checkpoint_restores_onto_a_mesh_and_resumes_bit_for_bit(tmp_path):
+  """Saved from one device, restored with rows over 4: the same next step."""
+  params = {"w": jnp.linspace(-1, 1, 8 * 512, dtype=BF16).reshape(8, 512)}
+  grads = {"w": jnp.cos(params["w"] * 9)}
+  opt = jaxmp.mixed_precision(
+    optax.adam(1e-2),
+    loss_scale=1.0,
+    master_weights="remainder",
+    optimizer_state="int8",
+  )
+  step = jax.jit(opt.update)
+  state = opt.init(params)
+  for _ in range(2):
+    updates, state = step(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  tree = {"state": state, "params": params}
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "c", tree)
+
+  mesh = jax.make_mesh((4,), ("d",))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  target = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=rows if x.ndim and x.shape[0] == 8 else whole
+    ),
+    tree,
+  )
+  with ocp.StandardCheckpointer() as ckpt:
+    restored = ckpt.restore(tmp_path / "c", target)
+  codes = restored["state"].inner_state[0].mu["w"]
+  assert codes.data.dtype == jnp.int8 and codes.data.sharding == rows
+  assert codes.scale.shape == (8, 2) and codes.scale.sharding == rows
+  ref = step(grads, state, params)
+  got = step(grads, restored["state"], restored["params"])
+  assert _bits(got) == _bits(ref)
