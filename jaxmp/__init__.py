@@ -43,7 +43,7 @@ from jaxmp._src.presets.policy import PRESETS
 from jaxmp._src.transform.rounding import stochastic_round
 from jaxmp._src.scaling.spikes import SpikeSkip
 from jaxmp._src.transform.sharding import state_shardings
-from jaxmp._src.state_codec import StateQuantization
+from jaxmp._src.transform.state_codec import StateQuantization
 from jaxmp._src.scaling.unscaled import UnscaledGradientsWarning
 from jaxmp._src.transform.value_and_grad import value_and_grad
 

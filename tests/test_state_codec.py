@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxmp
-from jaxmp._src import state_codec
+from jaxmp._src.transform import state_codec
 
 F8 = ml_dtypes.float8_e4m3fn
 BF16 = jnp.bfloat16

@@ -20,7 +20,7 @@ from jaxmp._src.transform import master_weights as masters_lib
 from jaxmp._src.transform import mixed_precision as mp
 from jaxmp._src import nnx_support
 from jaxmp._src.transform import placement
-from jaxmp._src import state_codec
+from jaxmp._src.transform import state_codec
 from jaxmp._src.scaling import unscaled
 
 

@@ -47,7 +47,7 @@ from jaxmp._src.transform import master_weights as masters_lib
 from jaxmp._src.transform import placement
 from jaxmp._src.scaling import spikes as spikes_lib
 from jaxmp._src.transform import sharding as sharding_lib
-from jaxmp._src import state_codec
+from jaxmp._src.transform import state_codec
 from jaxmp._src.scaling import unscaled
 
 # Re-exported: the public names live here since the first release.
