@@ -299,3 +299,28 @@ def test_step_rejects_encoded_state_of_another_mesh_or_tree():
   small = opt.init(dict(params, w1=jnp.ones((4, 32), jnp.bfloat16)))
   with pytest.raises(ValueError, match=r"state\.remainder\['w1'\] has shape"):
     jax.jit(opt.update)(grads, small, params)
+
+
+def test_explicit_axes_mode():
+  """Placed and stepped as in auto mode; a block across shards: an error."""
+  mesh = _mesh(kind=AxisType.Explicit)
+  params = _params(mesh)
+  opt = _opt("int8", "remainder")
+  step = _step(opt)
+  with jax.set_mesh(mesh):
+    state = jax.jit(opt.init)(params)
+    shardings = jaxmp.state_shardings(opt, params)
+    for (path, got), s in zip(
+      jax.tree_util.tree_leaves_with_path(state),
+      jax.tree_util.tree_leaves(shardings),
+    ):
+      assert got.sharding.is_equivalent_to(s, got.ndim), (
+        jax.tree_util.keystr(path),
+        got.sharding,
+      )
+    assert state.inner_state[0].nu["w2"].scale.sharding.spec == P(None, "fsdp")
+    _, new_state = step(params, state, _grads(params, 0))
+    _same_shardings(new_state, state)
+    bad = _params(mesh, {"a": ((4, 24), P(None, "fsdp"))})
+    with pytest.raises(ValueError, match=r"2 shards of 12 elements.*of 8"):
+      opt.init(bad)
