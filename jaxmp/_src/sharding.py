@@ -9,6 +9,14 @@ alone: two params of one shape keep their own shardings. Leaves that do not
 match (a scalar count, Adafactor's factored second moments) are left alone
 by `place_like_params` and replicated by `state_shardings`.
 
+Low-bit state (`state_codec.EncodedLeaf`, ``optimizer_state="bf16"`` or
+``"int8"``) counts as one leaf in that match: its codes are placed like the
+param, its per-block scales as `encoded_specs` says, and the leaves kept
+fp32 beside it like their params. Under ``jit`` the codes and scales are
+tied to predicates of the param's shape and of the scales' (the param's
+``p != p``, reduced over each block), so each lands where its elements'
+param elements are.
+
 Why a tie is needed: optax builds its moments with ``jnp.zeros_like``, which
 under ``jax.jit`` in auto mode (Shardy or GSPMD) is a broadcast constant with
 no operand: sharding propagation has nothing to carry the param's sharding
