@@ -97,6 +97,10 @@ def test_lowbit_state_placed_like_params(kind, masters, how):
     else:  # Kept fp32: like the param.
       assert leaf.dtype == jnp.float32, k
       assert leaf.sharding.is_equivalent_to(want, 1), (k, leaf.sharding)
+  if how == "jit":  # The ties move no data: no collective in the init.
+    hlo = jax.jit(opt.init).lower(params).compile().as_text()
+    for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute"):
+      assert op not in hlo, op
   # And jaxmp.state_shardings says the same of every leaf.
   shardings = jaxmp.state_shardings(opt, params)
   for (path, got), s in zip(
@@ -324,3 +328,20 @@ def test_explicit_axes_mode():
     bad = _params(mesh, {"a": ((4, 24), P(None, "fsdp"))})
     with pytest.raises(ValueError, match=r"2 shards of 12 elements.*of 8"):
       opt.init(bad)
+
+
+def test_scalar_param_encoded_under_jit_init():
+  """A 0-d param (min_size=1) encodes to one block: replicated, no error."""
+  mesh = _mesh()
+  params = _params(mesh, {"s": ((), P()), "w1": SPECS["w1"]})
+  quant = jaxmp.StateQuantization("int8", block_size=BLOCK, min_size=1)
+  opt = jaxmp.mixed_precision(
+    optax.adam(1e-2), master_weights="remainder", optimizer_state=quant
+  )
+  mu = jax.jit(opt.init)(params).inner_state[0].mu
+  assert mu["s"].data.shape == (1,) and mu["s"].scale.shape == (1,)
+  replicated = NamedSharding(mesh, P())
+  assert mu["s"].data.sharding.is_equivalent_to(replicated, 1)
+  assert mu["w1"].scale.sharding.is_equivalent_to(
+    NamedSharding(mesh, P("fsdp")), 2
+  )

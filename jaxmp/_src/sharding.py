@@ -238,6 +238,8 @@ def _tie_encoded(e, param):
     return state_codec.EncodedLeaf(*parts, e.spec)
   if e.scale is None:
     return state_codec.EncodedLeaf(_tie(e.data, param), None, e.spec)
+  if not e.spec.shape:  # A scalar: nothing to shard (jit replicates it).
+    return e
   data_pred, scale_pred = _block_pred(param, e)
   data = _tie_to(data_pred.reshape(e.data.shape), e.data)
   return state_codec.EncodedLeaf(data, _tie_to(scale_pred, e.scale), e.spec)
