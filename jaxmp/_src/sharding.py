@@ -293,8 +293,10 @@ def place_like_params(state: Any, params: Any) -> Any:
     if _is_tracer(p):
       return _tie_encoded(e, p)
     want = getattr(p, "sharding", None)
+    if isinstance(want, jax.sharding.SingleDeviceSharding):
+      return jax.tree.map(lambda x: like(x, _Placed(want)), e)
     if not isinstance(want, NamedSharding):
-      return jax.tree.map(lambda x: like(x, p) if x.shape == p.shape else x, e)
+      return e
     specs = encoded_specs(want.spec, want.mesh, e)
     parts = [
       x if x is None else like(x, _Placed(NamedSharding(want.mesh, spec)))
