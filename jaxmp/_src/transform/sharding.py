@@ -9,6 +9,14 @@ alone: two params of one shape keep their own shardings. Leaves that do not
 match (a scalar count, Adafactor's factored second moments) are left alone
 by `place_like_params` and replicated by `state_shardings`.
 
+Low-bit state (`state_codec.EncodedLeaf`, ``optimizer_state="bf16"`` or
+``"int8"``) counts as one leaf in that match: its codes are placed like the
+param, its per-block scales as `encoded_specs` says, and the leaves kept
+fp32 beside it like their params. Under ``jit`` the codes and scales are
+tied to predicates of the param's shape and of the scales' (the param's
+``p != p``, reduced over each block), so each lands where its elements'
+param elements are.
+
 Why a tie is needed: optax builds its moments with ``jnp.zeros_like``, which
 under ``jax.jit`` in auto mode (Shardy or GSPMD) is a broadcast constant with
 no operand: sharding propagation has nothing to carry the param's sharding
@@ -51,8 +59,18 @@ from jax.sharding import PartitionSpec
 
 from jaxmp._src.transform import master_weights as masters_lib
 from jaxmp._src import nnx_support
+from jaxmp._src import state_codec
 
 _is_empty = masters_lib.is_empty
+
+
+def _is_encoded(x: Any) -> bool:
+  return isinstance(x, state_codec.EncodedLeaf)
+
+
+def _is_unit(x: Any) -> bool:
+  """A leaf when matching against the params: empty, or one encoded leaf."""
+  return _is_empty(x) or _is_encoded(x)
 
 
 def _is_array(x: Any) -> bool:
@@ -64,14 +82,21 @@ def map_like_params(
   params: Any,
   like: Callable[[Any, Any], Any],
   other: Callable[[Any], Any],
+  encoded: Optional[Callable[[Any, Any], Any]] = None,
 ) -> Any:
   """Maps ``like(leaf, param)`` over param-shaped leaves, ``other(leaf)`` else.
+
+  A `state_codec.EncodedLeaf` (low-bit optimizer state) counts as one leaf
+  when a subtree is matched against the params' structure, so its subtree's
+  plain leaves (the small ones kept fp32) still match their params.
 
   Args:
     state: any pytree (an optimizer state, or its `jax.eval_shape`).
     params: the params the state was built for.
     like: called on each param-shaped leaf and its param.
     other: called on every other leaf (``None`` and placeholders are kept).
+    encoded: called on each encoded leaf of a param-shaped subtree and its
+      param (``other`` on its children when not given).
 
   Returns:
     ``state`` with its leaves mapped.
@@ -80,9 +105,9 @@ def map_like_params(
   pleaves = pdef.flatten_up_to(params)
 
   def matches(node) -> bool:
-    if _is_empty(node):
+    if _is_unit(node):
       return False
-    return jax.tree_util.tree_structure(node, is_leaf=_is_empty) == pdef
+    return jax.tree_util.tree_structure(node, is_leaf=_is_unit) == pdef
 
   def visit(node):
     if _is_empty(node):
@@ -90,9 +115,14 @@ def map_like_params(
     if not matches(node):
       return other(node)
     out = []
-    for x, p in zip(pdef.flatten_up_to(node), pleaves):
+    leaves = jax.tree_util.tree_structure(node, is_leaf=_is_unit).flatten_up_to(
+      node
+    )
+    for x, p in zip(leaves, pleaves):
       if _is_empty(x):
         out.append(x)
+      elif _is_encoded(x) and x.spec.shape == tuple(getattr(p, "shape", ())):
+        out.append(encoded(x, p) if encoded else jax.tree.map(other, x))
       elif _is_array(x) and _is_array(p) and tuple(x.shape) == tuple(p.shape):
         out.append(like(x, p))
       else:
@@ -126,6 +156,93 @@ def _tie(leaf, param):
   return jax.lax.select(
     param != param, leaf, jax.lax.optimization_barrier(leaf)
   )
+
+
+def _axis_size(mesh, entry) -> int:
+  """How many shards a `PartitionSpec` entry cuts an axis into."""
+  if entry is None:
+    return 1
+  names = entry if isinstance(entry, tuple) else (entry,)
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  size = 1
+  for name in names:
+    size *= sizes[name]
+  return size
+
+
+def encoded_specs(
+  spec: PartitionSpec, mesh: Any, encoded: Any
+) -> tuple[PartitionSpec, Optional[PartitionSpec]]:
+  """The specs of an encoded leaf's ``data`` and ``scale``, from its param's.
+
+  Blocks run along the last axis. The leading axes of both are sharded as
+  the param's are. The last axis (the codes', the scales' blocks) is
+  sharded as the param's for the codes of an unpadded leaf (their param's
+  shape: the param's spec), and for the scales only where every shard
+  holds whole blocks (the param's last-axis shard length a multiple of the
+  block); elsewhere the scales' last axis is replicated (they are 1/block
+  of the codes' elements), as are the codes' of a padded leaf (the last
+  axis not a multiple of the block, so no longer the param's shape).
+  """
+  ndim = len(encoded.spec.shape)
+  entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+  lead, last = entries[:-1], entries[-1] if ndim else None
+  data_last = last
+  if encoded.spec.kind == "int8" and last is not None:
+    n = encoded.data.shape[-1]  # Padded to whole blocks.
+    k = _axis_size(mesh, last)
+    if n != encoded.spec.shape[-1]:  # Padded: no longer the param's shape.
+      last, data_last = None, None
+    elif n % k or (n // k) % encoded.spec.block:
+      last = None
+  data = PartitionSpec(*lead, data_last) if ndim else PartitionSpec()
+  if encoded.scale is None:
+    return data, None
+  return data, PartitionSpec(*lead, last) if ndim else PartitionSpec()
+
+
+def _block_pred(param, encoded) -> jax.Array:
+  """Predicates like ``param != param`` of the codes' and scales' shapes.
+
+  The codes' is ``param != param`` (padded as the codes are); the scales'
+  is it reduced over each block. Elementwise or blockwise in ``param``, so
+  propagation carries the param's sharding to both with no communication
+  where every shard holds whole blocks.
+  """
+  spec = encoded.spec
+  lead = spec.shape[:-1]
+  pred = (param != param).reshape(lead + (spec.shape[-1],))
+  padded = encoded.data.shape[-1] if spec.shape else 1
+  if padded != pred.shape[-1]:
+    pred = jax.numpy.pad(
+      pred, [(0, 0)] * len(lead) + [(0, padded - spec.shape[-1])]
+    )
+  return pred, pred.reshape(lead + (padded // spec.block, spec.block)).any(-1)
+
+
+def _tie_to(pred, leaf):
+  """``leaf`` placed like the elementwise predicate ``pred`` (auto mode)."""
+  return jax.lax.select(pred, leaf, jax.lax.optimization_barrier(leaf))
+
+
+def _tie_encoded(e, param):
+  """An encoded leaf placed from its ``param`` under a trace."""
+  want = jax.typeof(param).sharding
+  if _explicit(want):
+    specs = encoded_specs(want.spec, want.mesh, e)
+    parts = []
+    for x, spec in zip((e.data, e.scale), specs):
+      if x is not None and jax.typeof(x).sharding.spec != spec:
+        x = jax.sharding.reshard(x, NamedSharding(want.mesh, spec))
+      parts.append(x)
+    return state_codec.EncodedLeaf(*parts, e.spec)
+  if e.scale is None:
+    return state_codec.EncodedLeaf(_tie(e.data, param), None, e.spec)
+  if not e.spec.shape:  # A scalar: nothing to shard (jit replicates it).
+    return e
+  data_pred, scale_pred = _block_pred(param, e)
+  data = _tie_to(data_pred.reshape(e.data.shape), e.data)
+  return state_codec.EncodedLeaf(data, _tie_to(scale_pred, e.scale), e.spec)
 
 
 def concrete_mesh(params: Any) -> Optional[jax.sharding.Mesh]:
@@ -172,6 +289,21 @@ def place_like_params(state: Any, params: Any) -> Any:
       return jax.device_put(x, want)
     return x
 
+  def encoded(e, p):
+    if _is_tracer(p):
+      return _tie_encoded(e, p)
+    want = getattr(p, "sharding", None)
+    if isinstance(want, jax.sharding.SingleDeviceSharding):
+      return jax.tree.map(lambda x: like(x, _Placed(want)), e)
+    if not isinstance(want, NamedSharding):
+      return e
+    specs = encoded_specs(want.spec, want.mesh, e)
+    parts = [
+      x if x is None else like(x, _Placed(NamedSharding(want.mesh, spec)))
+      for x, spec in zip((e.data, e.scale), specs)
+    ]
+    return state_codec.EncodedLeaf(*parts, e.spec)
+
   def other(x):
     if (
       replicated is not None
@@ -182,7 +314,14 @@ def place_like_params(state: Any, params: Any) -> Any:
       return jax.device_put(x, replicated)
     return x
 
-  return map_like_params(state, params, like, other)
+  return map_like_params(state, params, like, other, encoded)
+
+
+class _Placed:
+  """Stands for a param with a sharding (see `place_like_params`)."""
+
+  def __init__(self, sharding):
+    self.sharding = sharding
 
 
 def placed_like_params(init: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -274,8 +413,17 @@ def state_shardings(opt: Any, params: Any) -> Any:
   mesh = params_mesh(params)
   abstract = jax.eval_shape(opt.init, params)
   replicated = NamedSharding(mesh, PartitionSpec())
+
+  def encoded(e, p):
+    data, scale = encoded_specs(p.sharding.spec, mesh, e)
+    return state_codec.EncodedLeaf(
+      NamedSharding(mesh, data),
+      None if scale is None else NamedSharding(mesh, scale),
+      e.spec,
+    )
+
   return map_like_params(
-    abstract, params, lambda _, p: p.sharding, lambda _: replicated
+    abstract, params, lambda _, p: p.sharding, lambda _: replicated, encoded
   )
 
 
@@ -302,19 +450,31 @@ def check_state(state: Any, masters: Any, params: Any, what: str) -> None:
 
   ``masters`` (a tree with the params' structure: `master_weights.Buffers`'
   masters, ``None``/placeholders included) must match the params leaf by
-  leaf, and every state leaf on a mesh must be on the params' mesh.
+  leaf, as must ``state.remainder`` where there is one (``"remainder"``
+  masters), and every state leaf on a mesh (the codes and scales of an
+  encoded one included) must be on the params' mesh.
 
   Raises:
     ValueError: naming the first leaf that differs.
   """
   params, masters = nnx_support.unwrap(params), nnx_support.unwrap(masters)
+  _check_tree(masters, params, what, "master_params")
+  # "remainder" masters: the masters are placeholders, the int16
+  # remainders have the params' shapes.
+  remainder = nnx_support.unwrap(getattr(state, "remainder", None))
+  if remainder is not None:
+    _check_tree(remainder, params, what, "remainder")
+  _check_mesh(state, params, what)
+
+
+def _check_tree(masters: Any, params: Any, what: str, field: str) -> None:
+  """``masters`` (``what.field``) has the params' structure and shapes."""
   p_leaves, p_def = jax.tree_util.tree_flatten(params, is_leaf=_is_empty)
   m_leaves, m_def = jax.tree_util.tree_flatten(masters, is_leaf=_is_empty)
   if p_def == m_def and all(
     not (_is_array(m) and _is_array(p)) or tuple(m.shape) == tuple(p.shape)
     for m, p in zip(m_leaves, p_leaves)
   ):
-    _check_mesh(state, params, what)
     return
   # Something differs: find the first leaf that does, by path.
   p_paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_empty)[0]
@@ -325,7 +485,7 @@ def check_state(state: Any, masters: Any, params: Any, what: str) -> None:
     extra = [k for k in m_keys if k not in set(p_keys)]
     missing = [k for k in p_keys if k not in set(m_keys)]
     detail = (
-      f"the state has {what}.master_params{extra[0]}, which the params lack"
+      f"the state has {what}.{field}{extra[0]}, which the params lack"
       if extra
       else f"the params have params{missing[0]}, which the state lacks"
       if missing
@@ -339,12 +499,12 @@ def check_state(state: Any, masters: Any, params: Any, what: str) -> None:
     if _is_array(m) and _is_array(p) and tuple(m.shape) != tuple(p.shape):
       raise ValueError(
         "the optimizer state was built for another tree: "
-        f"{what}.master_params{jax.tree_util.keystr(path)} has shape "
+        f"{what}.{field}{jax.tree_util.keystr(path)} has shape "
         f"{tuple(m.shape)}, params{jax.tree_util.keystr(path)} has "
         f"{tuple(p.shape)}. Build it with opt.init(params) for these params"
       )
   raise ValueError(  # Unreachable: the structures or a shape differ.
-    f"the optimizer state was built for another tree ({what}.master_params "
+    f"the optimizer state was built for another tree ({what}.{field} "
     "differs from the params). Build it with opt.init(params)"
   )
 

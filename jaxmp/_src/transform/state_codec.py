@@ -45,7 +45,11 @@ Blocks run along the last axis only (padded to a multiple of the block, or
 one block per row when the last axis is shorter than ``block_size``): a
 block never spans two shards of a param sharded along any other axis. When
 the last axis itself is sharded, each shard's length should be a multiple of
-``block_size``. The codes of an unpadded leaf have the param's shape (int8).
+``block_size``: then the codes and the scales are sharded there too, and a
+step moves no data; otherwise the scales are replicated along that axis and
+the compiler gathers what a block needs (auto axes), or encoding raises
+(explicit axes). The codes of an unpadded leaf have the param's shape
+(int8) and are placed like it (see `sharding.encoded_specs`).
 """
 
 import dataclasses
@@ -224,6 +228,7 @@ def encode_int8(
   """The 8-bit block-wise code of ``x`` (see the module docstring)."""
   shape = tuple(x.shape)
   last, block, padded = _blocks(shape, block_size)
+  _check_explicit_blocks(x, block, padded)
   lead = shape[:-1]
   v = x.astype(jnp.float32).reshape(lead + (last,))
   if padded != last:
@@ -248,6 +253,42 @@ def encode_int8(
   data = code.reshape(lead + (padded,))
   spec = Spec("int8", shape, x.dtype, block, stochastic)
   return EncodedLeaf(data, absmax, spec)
+
+
+def _check_explicit_blocks(x, block: int, padded: int) -> None:
+  """Explicit-axes mode: a sharded last axis must hold whole blocks a shard.
+
+  (In auto mode the compiler gathers what a block needs; under explicit
+  axes the blocks' reshape is a type error, made clear here.)
+  """
+  if not isinstance(x, (jax.Array, jax.core.Tracer)) or not x.ndim:
+    return
+  sharding = jax.typeof(x).sharding
+  mesh = getattr(sharding, "mesh", None)
+  types = getattr(mesh, "axis_types", ()) or ()
+  if not any(t == jax.sharding.AxisType.Explicit for t in types):
+    return
+  entry = (tuple(sharding.spec) + (None,) * x.ndim)[x.ndim - 1]
+  if entry is None:
+    return
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  shards = int(
+    np.prod(
+      [sizes[n] for n in (entry if isinstance(entry, tuple) else (entry,))]
+    )
+  )
+  last = x.shape[-1]
+  if padded == last and last % shards == 0 and (last // shards) % block == 0:
+    return
+  raise ValueError(
+    f'optimizer_state="int8" under explicit mesh axes: a leaf of shape '
+    f"{tuple(x.shape)} has its last axis sharded over {entry!r} in "
+    f"{shards} shards of {last / shards:g} elements, which is not a whole "
+    f"number of blocks of {block}, so a block would span two shards. Pick "
+    "a StateQuantization(block_size=...) that divides the shard length, "
+    "shard another axis, or use auto axes (where the compiler gathers what "
+    "a block needs)"
+  )
 
 
 def decode(e: EncodedLeaf) -> jax.Array:
