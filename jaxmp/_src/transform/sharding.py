@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec
 
 from jaxmp._src.transform import master_weights as masters_lib
 from jaxmp._src import nnx_support
-from jaxmp._src import state_codec
+from jaxmp._src.transform import state_codec
 
 _is_empty = masters_lib.is_empty
 
