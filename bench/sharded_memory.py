@@ -6,8 +6,9 @@ Run: ``python bench/sharded_memory.py`` (a minute on 2 CPU cores;
 The params are a transformer's weights without the model (``--depth``
 blocks of a ``--width``-wide attention and MLP, embeddings, LayerNorms) in
 bfloat16, every leaf sharded on its first axis over a 1-D ``fsdp`` mesh of
-1, 2, 4 and 8 forced CPU devices. For each mesh and each optimizer --
-``optax.adamw`` on the params, and ``jaxmp.mixed_precision(optax.adamw)``
+1, 2, 4 and 8 forced CPU devices (``--devices``). For each mesh and each
+optimizer -- ``optax.adamw`` on the params, and
+``jaxmp.mixed_precision(optax.adamw)``
 (fp32 masters and fp32 moments) -- the state is built three ways: eagerly
 (``opt.init(params)``), under ``jax.jit(opt.init)`` without out-shardings,
 and, for jaxmp, under
@@ -207,14 +208,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
   parser.add_argument("--smoke", action="store_true", help="tiny and quick")
   parser.add_argument("--no-time", action="store_true", help="bytes only")
   parser.add_argument("--json", default="", help="write the rows here")
+  parser.add_argument(
+    "--devices", default="1,2,4,8", help="the fsdp mesh sizes (ascending)"
+  )
   args = parser.parse_args(argv)
   if args.smoke:
     args.width, args.depth, args.reps = 32, 1, 2
-  if jax.device_count() < 8:
-    raise SystemExit(f"needs 8 devices, jax has {jax.device_count()}")
+  counts = tuple(int(n) for n in args.devices.split(","))
+  most = counts[-1]
+  if jax.device_count() < most:
+    raise SystemExit(f"needs {most} devices, jax has {jax.device_count()}")
 
   params = make_params(args.width, args.depth)
-  counts = (1, 2, 4, 8)
   rows = memory_table(params, counts)
   columns = sorted(
     {(r["optimizer"], r["init"]) for r in rows},
@@ -242,19 +247,20 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(f"| {n} | " + " | ".join(cells) + " |")
   times = {}
   if not args.no_time:
-    times = {n: step_time(params, n, args.reps) for n in (1, 8)}
+    times = {n: step_time(params, n, args.reps) for n in (1, most)}
     print()
     print(
       f"jaxmp train step (CPU, informational): 1 device "
-      f"{1e3 * times[1]:.2f} ms, 8 devices (fsdp) {1e3 * times[8]:.2f} ms"
+      f"{1e3 * times[1]:.2f} ms, {most} devices (fsdp) "
+      f"{1e3 * times[most]:.2f} ms"
     )
   (headline,) = [
     r
     for r in rows
-    if (r["devices"], r["optimizer"], r["init"]) == (8, "jaxmp", "jit(init)")
+    if (r["devices"], r["optimizer"], r["init"]) == (most, "jaxmp", "jit(init)")
   ]
   share = headline["most"] / headline["whole"]
-  print(f"jaxmp_state_share_8_devices_jit_init: {share:.3f}")
+  print(f"jaxmp_state_share_{most}_devices_jit_init: {share:.3f}")
   result = {"rows": rows, "step_seconds": times, "num_params": num_params}
   if args.json:
     with open(args.json, "w") as f:

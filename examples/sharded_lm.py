@@ -514,9 +514,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
   checkpointer.wait_until_finished()
   saved = _host(fingerprint((params, opt_state)))
   weights["saved"] = weights_fingerprint(params, opt_state)
-  moved = jax.jit(
-    lambda tree: tree, out_shardings=(on_other["params"], on_other["state"])
-  )((params, opt_state))
+  moved = None
+  if not args.no_resume:
+    moved = jax.jit(
+      lambda tree: tree, out_shardings=(on_other["params"], on_other["state"])
+    )((params, opt_state))
   params, opt_state, more = trainer.train(
     on, params, opt_state, args.save_at + 1, args.steps
   )
@@ -555,6 +557,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
       trainer.key
     )
     s = trainer.optimizer.init(p)  # Eager: the state lands with the params.
+    # Its scalars are left uncommitted on the device; committed like the
+    # step's outputs, so that the step compiles once, not again at step 2.
+    s = jax.device_put(s, on_one["state"])
     _, _, unsharded = trainer.train(on_one, p, s, 1, args.steps)
 
   say(
