@@ -189,6 +189,56 @@ def _bits(x):
   return x.view(np.dtype(f"u{x.dtype.itemsize}")) if x.dtype.kind == "f" else x
 
 
+def _ulps32(x: np.ndarray) -> np.ndarray:
+  return np.spacing(np.abs(x).astype(np.float32))
+
+
+def _assert_same_step(state, single, params, single_params, steps, kind):
+  """The sharded run against one device's, each within its format's rounding.
+
+  The two are different XLA programs: a compiler may fuse a multiply-add in
+  one and not the other (jax 0.12's XLA does, under its default flags), so
+  an fp32 value may differ by a rounding a step: the masters by at most
+  ``2 * steps`` fp32 ulps (an update's own rounding and the add's). The
+  stored moments are the codec's roundings of fp32 moments that differ so:
+  bf16 codes by one bf16 unit (2**-8 relative), and the int8 codes,
+  stochastically rounded from hashed bits that such a difference changes,
+  by one step of the 3-bit mantissa either way (2 * 2**-3 relative), down
+  to the block's floor (2**-14 of its largest value, here below 1e-5). The
+  bf16 params, roundings of the masters, by one bf16 unit.
+  """
+  m = jax.tree.map(np.asarray, jaxmp.master_params(state, params))
+  m1 = jax.tree.map(np.asarray, jaxmp.master_params(single, single_params))
+  for k in m:
+    np.testing.assert_array_less(
+      np.abs(m[k] - m1[k]), 2 * steps * _ulps32(m1[k]) + 1e-30, err_msg=k
+    )
+  for k in params:
+    a = np.asarray(params[k]).astype(np.float32)
+    b = np.asarray(single_params[k]).astype(np.float32)
+    np.testing.assert_array_less(np.abs(a - b), 2**-8 * np.abs(b) + 1e-30)
+  rtol = {"bf16": 2**-8, "int8": 2 * 2**-3}[kind]
+  for (path, x), y in zip(
+    jax.tree_util.tree_leaves_with_path(_decoded(state.inner_state)),
+    jax.tree_util.tree_leaves(_decoded(single.inner_state)),
+  ):
+    x, y = np.asarray(x), np.asarray(y)
+    if x.dtype.kind != "f":
+      np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+      continue
+    np.testing.assert_array_less(
+      np.abs(x - y),
+      rtol * np.abs(y) + 1e-5 + 2 * steps * _ulps32(y),
+      err_msg=jax.tree_util.keystr(path),
+    )
+
+
+def _decoded(inner_state):
+  from jaxmp._src.transform import state_codec  # pylint: disable=g-import-not-at-top
+
+  return state_codec.decode_state(inner_state)
+
+
 def _assert_bit_equal(a, b):
   for (path, x), y in zip(
     jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)
@@ -215,7 +265,8 @@ def test_sharded_step_keeps_shardings_and_equals_one_device(kind, masters):
   """3 jitted steps on given gradients: one device's params and state.
 
   The codec's block max is order-free and everything else is elementwise,
-  so the partitioned step is bit for bit the unpartitioned one.
+  so the partitioned step equals the unpartitioned one up to the roundings
+  that two compilations of the same arithmetic may place differently.
   """
   mesh = _mesh()
   params = _params(mesh)
@@ -245,8 +296,7 @@ def test_sharded_step_keeps_shardings_and_equals_one_device(kind, masters):
   assert not np.array_equal(
     np.asarray(params["w1"]), np.asarray(_params(mesh)["w1"])
   )
-  _assert_bit_equal(params, single_params)
-  _assert_bit_equal(state, single_state)
+  _assert_same_step(state, single_state, params, single_params, 3, kind)
 
 
 @pytest.mark.invariant
@@ -284,7 +334,11 @@ def test_orbax_restore_onto_another_mesh_and_resume(tmp_path):
       path
     )
   _assert_bit_equal(restored, state)
-  a = step(params, state, _grads(params, 1))
+  # Resumed from the checkpoint as from the same state moved in memory: the
+  # same program on the same mesh, bit for bit. (Against the run on the old
+  # mesh, another program, only within rounding: the step test above.)
+  in_memory = jax.device_put(state, shardings)
+  a = step(moved, in_memory, _grads(moved, 1))
   b = step(moved, restored, _grads(moved, 1))
   _assert_bit_equal(b, a)
 
