@@ -687,3 +687,23 @@ if __name__ == "__main__":
     distributed_main(sys.argv[2], int(sys.argv[3]))
   else:
     main(sys.argv[1])
+
+
+def bytes_on_device(tree, device) -> tuple[int, int, int]:
+  """``(whole, scalars, on_device)``: bytes of ``tree``'s arrays.
+
+  ``whole`` counts every leaf once, ``scalars`` its 0-d leaves, and
+  ``on_device`` the shards that ``device`` holds.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  leaves = jax.tree_util.tree_leaves(tree)
+  whole = sum(x.nbytes for x in leaves)
+  scalars = sum(x.nbytes for x in leaves if x.ndim == 0)
+  on_device = sum(
+    s.data.nbytes
+    for x in leaves
+    for s in x.addressable_shards
+    if s.device == device
+  )
+  return whole, scalars, on_device

@@ -23,6 +23,8 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from _helpers import bytes_on_device
+
 import jaxmp
 
 pytestmark = pytest.mark.devices(4)
@@ -634,16 +636,7 @@ def test_bytes_per_device():
   }
   opt = jaxmp.mixed_precision(optax.adam(LR))
   for state in (jax.jit(opt.init)(params), opt.init(params)):
-    leaves = jax.tree_util.tree_leaves(state)
-    whole = sum(x.nbytes for x in leaves)
-    scalars = sum(x.nbytes for x in leaves if x.ndim == 0)
-    device0 = jax.devices()[0]
-    on0 = sum(
-      s.data.nbytes
-      for x in leaves
-      for s in x.addressable_shards
-      if s.device == device0
-    )
+    whole, scalars, on0 = bytes_on_device(state, jax.devices()[0])
     # masters, mu, nu: 3 * 4 bytes * 2 * 2048; half on device 0.
     assert whole - scalars == 3 * 4 * 2 * 2048
     assert on0 == (whole - scalars) // 2 + scalars

@@ -99,6 +99,15 @@ def _opt(inner=None, window=WINDOW, **kwargs):
   )
 
 
+def _run_steps(step, losses, grads, params, state, ts):
+  """``params, state`` after the jitted ``step`` at each step ``t`` of ``ts``."""
+  for t in ts:
+    g = _scaled(grads[t], float(state.loss_scale))
+    updates, state = step(g, state, params, loss=jnp.float32(losses[t]))
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
 def _scaled(g, scale):
   """The gradients of ``loss * scale``: fp16 ``w``, fp32 ``b``."""
   with np.errstate(over="ignore", invalid="ignore"):
@@ -288,12 +297,7 @@ def test_state_survives_jit_and_numpy_round_trip_bit_for_bit():
   step = jax.jit(opt.update)
   losses, grads = _series(seed=2)
 
-  def run(params, state, ts):
-    for t in ts:
-      g = _scaled(grads[t], float(state.loss_scale))
-      updates, state = step(g, state, params, loss=jnp.float32(losses[t]))
-      params = optax.apply_updates(params, updates)
-    return params, state
+  run = functools.partial(_run_steps, step, losses, grads)
 
   params, state = run(params, state, range(30))
   # A checkpoint: to numpy and back (what orbax stores, leaf by leaf).
@@ -596,12 +600,7 @@ def test_orbax_round_trip_resumes_bit_for_bit(tmp_path):
   step = jax.jit(opt.update)
   losses, grads = _series(seed=6)
 
-  def run(params, state, ts):
-    for t in ts:
-      g = _scaled(grads[t], float(state.loss_scale))
-      updates, state = step(g, state, params, loss=jnp.float32(losses[t]))
-      params = optax.apply_updates(params, updates)
-    return params, state
+  run = functools.partial(_run_steps, step, losses, grads)
 
   params = _params()
   params, state = run(params, opt.init(params), range(30))
