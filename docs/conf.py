@@ -7,8 +7,10 @@ Build: ``python -m sphinx -W --keep-going -b html docs docs/_build/html``
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(DOCS)
 sys.path.insert(0, ROOT)  # the working tree's jaxmp, not an installed one
+sys.path.insert(0, DOCS)
 
 # The guides' kernels inherit this environment: CPU, quiet TensorFlow, and
 # the checkout on the path. Set before anything imports jax.
@@ -27,6 +29,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 from docutils.parsers.rst import Directive  # noqa: E402
 
 import jaxmp  # noqa: E402
+from _tested_pages import pages_with_stated_outputs  # noqa: E402
 
 project = "jaxmp"
 author = "the jaxmp authors"
@@ -64,6 +67,12 @@ napoleon_attr_annotations = False  # the docstrings say what each field holds
 
 # Guides: MyST-markdown notebooks, executed on every build; any error fails it.
 nb_execution_mode = "force"
+# JAXMP_DOCS_TESTED=1 (`.ci/run`, after the test suite): the pages that state
+# their outputs are left unexecuted here, because the suite has just run each
+# of them and checked what it prints (docs/_tested_pages.py); the other pages
+# still run here.
+if os.environ.get("JAXMP_DOCS_TESTED") == "1":
+  nb_execution_excludepatterns = pages_with_stated_outputs(DOCS)
 nb_execution_raise_on_error = True
 nb_execution_timeout = 300  # per cell; loaded CI machines are slow
 nb_execution_show_tb = True

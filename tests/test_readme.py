@@ -173,6 +173,24 @@ def test_guide_page_runs_and_prints_what_it_says(page):
     )
 
 
+def test_the_ci_docs_build_leaves_to_the_suite_exactly_the_pages_it_checks():
+  """Under ``JAXMP_DOCS_TESTED=1`` docs/conf.py skips executing these pages.
+
+  Each must be one this module runs and checks, and every page it checks
+  must be among them (the others run in the docs build).
+  """
+  import importlib.util  # pylint: disable=g-import-not-at-top
+
+  spec = importlib.util.spec_from_file_location(
+    "_tested_pages", os.path.join(DOCS, "_tested_pages.py")
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  left = module.pages_with_stated_outputs(DOCS)
+  assert left == sorted(os.path.relpath(p, "docs") for p in CHECKED_PAGES)
+  assert "guides/sharded.md" in left and "guides/migrating.md" not in left
+
+
 def _stated(source: str) -> int:
   return sum(bool(EXPECTED.match(line)) for line in source.splitlines())
 
