@@ -1,8 +1,10 @@
 """End-to-end: `loop.train_and_evaluate` on the tiny job (CPU, 4 devices).
 
-The first test trains the app's ResNet18; the others, whose point is not its
-architecture, the one-block net of `one_block_models` (a fraction of the
-compile time).
+On the one-block net of `one_block_models` (a fraction of ResNet18's
+compile time): the point of these tests is the loop, not the architecture.
+The app's whole ResNet18 trains through the loop in
+tests/test_fidelity_bench.py (its start file needs every layer) and in
+tests/test_torchvision.py's ``init_from`` runs.
 """
 
 import errno
@@ -36,8 +38,9 @@ from configs import default
 
 @pytest.mark.plots
 def test_train_and_evaluate_synthetic_writes_everything(
-  make_config, data_dir, tmp_path
+  make_config, data_dir, tmp_path, monkeypatch
 ):
+  one_block_models(monkeypatch)
   workdir = str(tmp_path / "run")
   summary = loop.train_and_evaluate(make_config(data_dir), workdir)
   assert summary["steps"] == 6 and summary["num_devices"] == 4
