@@ -36,7 +36,8 @@ fp32 Adam takes 12, jaxmp with fp32 masters and fp32 state 14.
   the same text (drawn after the training batches, so not held out from the
   text), per combination, mean and spread over the seeds.
 * **resnet** (not in the default parts; needs the app and an image
-  folder, about 20 minutes on one CPU core): the seed's job
+  folder; 16.5 minutes pinned to one core of an Intel Xeon, 2026-12-06,
+  table in docs/guides/master_weights.md): the seed's job
   (``configs/seed.py``: torchvision ResNet18, SGD lr 0.1 momentum 0.9 at a
   constant rate, batch 128, mean and std 0.5, no augmentation) with the
   ``bf16-kahan`` preset's bfloat16 params, BatchNorm fp32, run by the app's
