@@ -261,6 +261,26 @@ def test_bytes_of_the_encoded_state():
   assert sizes["int8"] == 2 * (n + 4 * n // 256) + small
 
 
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_summary_of_the_abstract_state_is_the_states(kind):
+  """`jax.eval_shape` of the init sizes the state before it is built."""
+  params = {"w": jnp.zeros((16, 600), BF16), "b": jnp.zeros((600,))}
+  opt = jaxmp.mixed_precision(
+    optax.adam(1e-3), master_weights="remainder", optimizer_state=kind
+  )
+  shapes = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+  )
+  abstract = jaxmp.state_summary(jax.eval_shape(opt.init, shapes))
+  state = opt.init(params)
+  assert abstract == jaxmp.state_summary(state)
+  assert abstract.nbytes == sum(x.nbytes for x in jax.tree.leaves(state))
+  # int8 pads w's rows from 600 to 768 (3 blocks): counted as stored.
+  rows = {r.path: r for r in abstract}
+  assert rows[".inner_state[0].mu['w']"].note == "encoded"
+  assert rows[".inner_state[0].mu['b']"].note.startswith("kept: under")
+
+
 @pytest.mark.invariant
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_a_skipped_step_leaves_the_codes_bit_for_bit(kind):

@@ -53,6 +53,7 @@ the compiler gathers what a block needs (auto axes), or encoding raises
 """
 
 import dataclasses
+import math
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -390,22 +391,31 @@ def encode_with(x: jax.Array, spec: Spec) -> EncodedLeaf:
   return encode_int8(x.astype(spec.dtype), spec.block, spec.stochastic)
 
 
+def _nbytes(x) -> int:
+  """The bytes of an array or of a `jax.ShapeDtypeStruct` (no ``nbytes``)."""
+  return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
+
 def summary_rows(state: Any, codec: Optional[StateQuantization]) -> list:
-  """One row per leaf of ``state``: path, shape, how it is stored, bytes."""
+  """One row per leaf of ``state``: path, shape, how it is stored, bytes.
+
+  ``state`` may be abstract (`jax.eval_shape` of an ``init``): the rows are
+  those of the state it describes.
+  """
   rows = []
   for path, x in jax.tree_util.tree_leaves_with_path(
     state, is_leaf=_is_encoded
   ):
     path = jax.tree_util.keystr(path)
     if _is_encoded(x):
-      nbytes = x.data.nbytes + (0 if x.scale is None else x.scale.nbytes)
+      nbytes = _nbytes(x.data) + (0 if x.scale is None else _nbytes(x.scale))
       rows.append(
         StateRow(path, x.spec.shape, x.spec.kind, int(nbytes), "encoded")
       )
       continue
     shape = tuple(getattr(x, "shape", ()))
     dtype = jnp.dtype(getattr(x, "dtype", np.asarray(x).dtype))
-    size = int(np.prod(shape))
+    size = math.prod(shape)
     note = ""
     inner = path.startswith(".inner_state")
     if inner and codec and jnp.issubdtype(dtype, jnp.floating) and shape:
