@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src.transform import eager
 from jaxmp._src.transform import rounding
 
 KINDS = ("fp32", "bf16", "int8")
@@ -292,6 +293,7 @@ def _check_explicit_blocks(x, block: int, padded: int) -> None:
   )
 
 
+@eager.jit_when_concrete
 def decode(e: EncodedLeaf) -> jax.Array:
   """The value of an encoded leaf, in its original dtype."""
   spec = e.spec
@@ -306,6 +308,7 @@ def decode(e: EncodedLeaf) -> jax.Array:
   return v.reshape(spec.shape).astype(spec.dtype)
 
 
+@eager.jit_when_concrete(static_argnums=(1,))
 def encode(x: jax.Array, codec: StateQuantization) -> EncodedLeaf:
   """``x`` encoded as ``codec`` says."""
   stochastic = codec.rounding == "stochastic" or (
@@ -398,6 +401,7 @@ def encode_like(new_state: Any, encoded: Any) -> Any:
   )
 
 
+@eager.jit_when_concrete(static_argnums=(1,))
 def encode_with(x: jax.Array, spec: Spec) -> EncodedLeaf:
   """``x`` encoded with an existing leaf's `Spec`."""
   if spec.kind == "bf16":
