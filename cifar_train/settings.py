@@ -27,7 +27,10 @@ MASTER_WEIGHTS = {
   "none": False,
   "kahan": "kahan",
   "stochastic": "stochastic",
+  "remainder": "remainder",
 }
+# config.optimizer_state ("" = "fp32") -> jaxmp.StateQuantization's kind.
+OPTIMIZER_STATES = ("fp32", "bf16", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +46,11 @@ class Precision:
     max_loss_scale: the cap of a dynamic scale.
     hysteresis: back off from the ``hysteresis``-th overflow in a row.
     master_weights: `jaxmp.mixed_precision`'s ``master_weights``: ``True``
-      (fp32 masters), ``False``, ``"kahan"`` or ``"stochastic"``.
+      (fp32 masters), ``False``, ``"kahan"``, ``"stochastic"`` or
+      ``"remainder"`` (bfloat16 params only).
+    optimizer_state: `jaxmp.mixed_precision`'s ``optimizer_state``: a
+      `jaxmp.StateQuantization` (kind ``"fp32"``, ``"bf16"`` or ``"int8"``,
+      and its ``min_size``).
     calibrate: the initial scale is "auto": the loop calibrates it on the
       first batch (`with_initial_scale`); until then ``loss_scale`` starts
       at the floor.
@@ -62,6 +69,7 @@ class Precision:
   max_loss_scale: float
   hysteresis: int
   master_weights: Any
+  optimizer_state: jaxmp.StateQuantization = jaxmp.StateQuantization("fp32")
   calibrate: bool = False
   autocast: Any = None
   autocast_debug: bool = False
@@ -153,6 +161,15 @@ def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
         f"{', '.join(MASTER_WEIGHTS)} (or '' for the preset's)"
       )
     master_weights = MASTER_WEIGHTS[config.master_weights]
+  bf16 = jnp.dtype(policy.param_dtype) == jnp.bfloat16
+  if master_weights == "remainder" and not bf16:
+    raise ConfigError(
+      "master_weights 'remainder' keeps each bfloat16 param's fp32 master as "
+      "the param and 16 more bits, and needs bfloat16 params; policy "
+      f"{config.policy!r} has {jnp.dtype(policy.param_dtype).name} params. "
+      "Use policy bf16-kahan or bf16-stochastic (bfloat16 params), or "
+      "master_weights fp32, kahan or stochastic"
+    )
   norm_dtype = jnp.float32 if preset.keep_batchnorm_fp32 else policy.param_dtype
   return Precision(
     name=preset.name,
@@ -163,10 +180,29 @@ def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
     max_loss_scale=float(config.max_loss_scale),
     hysteresis=int(config.loss_scale_hysteresis),
     master_weights=master_weights,
+    optimizer_state=_optimizer_state(config),
     calibrate=calibrate,
     autocast=preset.autocast,
     autocast_debug=preset.autocast is not None and bool(config.diagnostics),
   )
+
+
+def _optimizer_state(config) -> jaxmp.StateQuantization:
+  """``config.optimizer_state`` and its ``_min_size`` as a StateQuantization."""
+  kind = config.optimizer_state or "fp32"
+  if kind not in OPTIMIZER_STATES:
+    raise ConfigError(
+      f"unknown optimizer_state {config.optimizer_state!r}; valid: "
+      f"{', '.join(OPTIMIZER_STATES)} (or '' for fp32)"
+    )
+  min_size = config.optimizer_state_min_size
+  if (
+    isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1
+  ):
+    raise ConfigError(
+      f"optimizer_state_min_size must be an integer >= 1, got {min_size!r}"
+    )
+  return jaxmp.StateQuantization(kind, min_size=min_size)
 
 
 def with_initial_scale(precision: Precision, scale: float) -> Precision:

@@ -129,8 +129,10 @@ def create_optimizer(
   """SGD with momentum and coupled weight decay (torch.optim.SGD), wrapped.
 
   Apex's FusedSGD fused the update into one kernel; here XLA fuses the whole
-  optax chain, masters and loss-scale bookkeeping included. ``seed`` keys
-  the rounding of ``master_weights="stochastic"``; ``diagnostics`` keeps
+  optax chain, masters and loss-scale bookkeeping included. ``precision``
+  gives the masters and how the momentum is stored (``optimizer_state``);
+  ``seed`` keys the rounding of ``master_weights="stochastic"``;
+  ``diagnostics`` keeps
   jaxmp's per-leaf gradient report (`jaxmp.overflow_report`);
   ``skip_spikes`` drops loss and gradient-norm spikes (`jaxmp.SpikeSkip`).
   """
@@ -144,6 +146,7 @@ def create_optimizer(
     max_loss_scale=precision.max_loss_scale,
     hysteresis=precision.hysteresis,
     master_weights=precision.master_weights,
+    optimizer_state=precision.optimizer_state,
     rounding_key=seed,
     diagnostics=diagnostics,
     skip_spikes=skip_spikes,

@@ -34,8 +34,17 @@ def get_config() -> ml_collections.ConfigDict:
   # "params=float32,compute=float16,output=float32".
   config.policy = "O2"
   # How half-precision params keep their updates: "" (the preset's), "fp32"
-  # (fp32 masters), "kahan", "stochastic" (no fp32 copy) or "none".
+  # (fp32 masters), "kahan", "stochastic" (no fp32 copy), "remainder" (the
+  # exact fp32 master in 2 bytes: bfloat16 params only, as bf16-kahan and
+  # bf16-stochastic have) or "none".
   config.master_weights = ""
+  # How the optimizer's momentum is stored between steps: "" or "fp32" (4
+  # bytes an element), "bf16" (2) or "int8" (1, and an fp32 scale per block
+  # of 256); each step decodes it, updates in fp32 and encodes it again.
+  # Leaves under optimizer_state_min_size elements (BatchNorm, biases) stay
+  # fp32. jaxmp.StateQuantization.
+  config.optimizer_state = ""
+  config.optimizer_state_min_size = 4096
   # Dynamic loss scaling (used when the preset asks for it). The initial
   # scale is a number, or "auto": calibrated on the first batch with
   # jaxmp.calibrate_loss_scale (O1/O2 only; a resumed run keeps its scale).

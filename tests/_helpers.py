@@ -689,6 +689,24 @@ if __name__ == "__main__":
     main(sys.argv[1])
 
 
+def backend_compiles(fn) -> int:
+  """How many programs XLA compiled while ``fn()`` ran."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  events = []
+
+  def listen(name, _, **__):
+    if name == "/jax/core/compile/backend_compile_duration":
+      events.append(name)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    fn()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  return len(events)
+
+
 def bytes_on_device(tree, device) -> tuple[int, int, int]:
   """``(whole, scalars, on_device)``: bytes of ``tree``'s arrays.
 

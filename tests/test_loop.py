@@ -259,16 +259,35 @@ def test_compile_ahead_leaves_the_first_step_nothing_to_trace(
 
 @pytest.mark.invariant
 @pytest.mark.parametrize(
-  "on_device,policy",
+  "on_device,policy,overrides",
   [
     # (False, "O2"): with init_loss_scale='auto', the test below.
-    (True, "O2"),
-    (False, "bf16-kahan"),
-    (False, "bf16-stochastic"),
+    pytest.param(True, "O2", {}, id="True-O2"),
+    pytest.param(False, "bf16-kahan", {}, id="False-bf16-kahan"),
+    pytest.param(False, "bf16-stochastic", {}, id="False-bf16-stochastic"),
+    # Exact masters in 2 bytes, int8 momentum: the 4-filter net's convolutions
+    # (108 and 144 elements) are encoded under the lowered min_size.
+    pytest.param(
+      False,
+      "bf16-kahan",
+      {
+        "master_weights": "remainder",
+        "optimizer_state": "int8",
+        "optimizer_state_min_size": 64,
+      },
+      id="False-remainder-int8",
+    ),
   ],
 )
 def test_resume_is_exact_for_the_whole_state(
-  on_device, policy, make_config, data_dir, tiny_data, tmp_path, monkeypatch
+  on_device,
+  policy,
+  overrides,
+  make_config,
+  data_dir,
+  tiny_data,
+  tmp_path,
+  monkeypatch,
 ):
   """6 steps in one go == stopped after 4, resumed to 6: every bit of the state.
 
@@ -277,12 +296,16 @@ def test_resume_is_exact_for_the_whole_state(
   per case than training the first 4 steps again, and the same files a run
   killed after step 4 leaves. The state fingerprint covers step, params,
   BatchNorm statistics, the whole optimizer state (masters or Kahan
-  compensation or rounding key, momentum, loss scale, counters) and the
-  data key.
+  compensation, remainder or rounding key, momentum or its int8 codes and
+  scales, loss scale, counters) and the data key.
   """
   one_block_models(monkeypatch)
   config = make_config(
-    data_dir, data_on_device=on_device, policy=policy, keep_checkpoints=3
+    data_dir,
+    data_on_device=on_device,
+    policy=policy,
+    keep_checkpoints=3,
+    **overrides,
   )
   full = tmp_path / "full"
   ref = loop.train_and_evaluate(config, str(full), data=tiny_data)
@@ -317,7 +340,7 @@ def test_resume_with_auto_loss_scale_keeps_the_whole_state(
   """
   auto = functools.partial(make_config, init_loss_scale="auto")
   test_resume_is_exact_for_the_whole_state(
-    False, "O2", auto, data_dir, tiny_data, tmp_path, monkeypatch
+    False, "O2", {}, auto, data_dir, tiny_data, tmp_path, monkeypatch
   )
   out = capsys.readouterr().out
   assert out.count("init_loss_scale 'auto': ") == 2

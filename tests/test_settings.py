@@ -32,6 +32,8 @@ def test_every_config_key_becomes_a_setting():
     "max_loss_scale",
     "loss_scale_hysteresis",
     "master_weights",
+    "optimizer_state",
+    "optimizer_state_min_size",
   }
   spike_keys = {"spike_skip_window", "spike_skip_factor"}  # -> skip_spikes
   assert set(config.keys()) - precision_keys - spike_keys == fields - {
@@ -172,6 +174,95 @@ def test_unknown_master_weights_lists_the_valid_ones():
   config.master_weights = "fp64"
   with pytest.raises(ConfigError, match="unknown master_weights 'fp64'.*kahan"):
     settings.resolve(config)
+
+
+@pytest.mark.parametrize("policy", ["bf16-kahan", "bf16-stochastic"])
+def test_remainder_masters_with_bfloat16_params(policy):
+  config = default.get_config()
+  config.policy = policy
+  config.master_weights = "remainder"
+  p = settings.resolve(config).precision
+  assert (p.master_weights, p.param_dtype) == ("remainder", jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+  "policy,dtype", [("O2", "float16"), ("O3", "float16"), ("bf16", "float32")]
+)
+def test_remainder_masters_need_bfloat16_params(policy, dtype):
+  # At resolve time, before anything runs: float16 params would fail in
+  # opt.init, and fp32 params (their own masters) would ignore it.
+  config = default.get_config()
+  config.policy = policy
+  config.master_weights = "remainder"
+  with pytest.raises(
+    ConfigError,
+    match=f"'remainder'.*needs bfloat16 params; policy '{policy}' has "
+    f"{dtype} params.*bf16-kahan or bf16-stochastic",
+  ):
+    settings.resolve(config)
+
+
+@pytest.mark.parametrize(
+  "value,kind",
+  [("", "fp32"), ("fp32", "fp32"), ("bf16", "bf16"), ("int8", "int8")],
+)
+def test_optimizer_state_setting(value, kind):
+  config = default.get_config()
+  config.optimizer_state = value
+  config.optimizer_state_min_size = 1024
+  p = settings.resolve(config).precision
+  assert p.optimizer_state == jaxmp.StateQuantization(kind, min_size=1024)
+
+
+@pytest.mark.parametrize(
+  "key,value,match",
+  [
+    (
+      "optimizer_state",
+      "fp8",
+      "unknown optimizer_state 'fp8'; valid: fp32, bf16, int8",
+    ),
+    (
+      "optimizer_state_min_size",
+      0,
+      "optimizer_state_min_size must be an integer >= 1, got 0",
+    ),
+  ],
+)
+def test_bad_optimizer_state_names_the_valid_values(key, value, match):
+  config = default.get_config()
+  config[key] = value
+  with pytest.raises(ConfigError, match=match):
+    settings.resolve(config)
+
+
+def test_optimizer_state_reaches_the_optimizer():
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from cifar_train import loop  # pylint: disable=g-import-not-at-top
+
+  config = default.get_config()
+  config.policy = "bf16-kahan"
+  config.master_weights = "remainder"
+  config.optimizer_state = "int8"
+  config.optimizer_state_min_size = 512
+  s = settings.resolve(config)
+  opt = loop.make_optimizer(s, s.precision, optax.constant_schedule(0.1))
+  params = {
+    "big": jnp.ones((2, 256), jnp.bfloat16),  # 512 elements: encoded.
+    "small": jnp.ones(511, jnp.bfloat16),
+  }
+  state = opt.init(params)
+  assert jaxmp.find_state(state).remainder["big"].dtype == jnp.int16
+  stored = {
+    row.path: row.stored
+    for row in jaxmp.state_summary(state)
+    if ".trace" in row.path  # The momentum.
+  }
+  assert stored == {
+    ".inner_state[1][0].trace['big']": "int8",
+    ".inner_state[1][0].trace['small']": "float32",
+  }
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from _helpers import backend_compiles
 from _helpers import bytes_on_device
 
 import jaxmp
@@ -478,22 +479,6 @@ def _same_shardings(a, b):
     )
 
 
-def _compiles(fn):
-  """How many backend compilations ``fn()`` ran."""
-  events = []
-
-  def listen(name, _, **__):
-    if name == "/jax/core/compile/backend_compile_duration":
-      events.append(name)
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
-    fn()
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
-  return len(events)
-
-
 CONFIGS = [
   ("auto", "fsdp"),
   ("explicit", "fsdp"),
@@ -521,7 +506,7 @@ def test_step_keeps_shardings_and_compiles_once(mode, params, how):
     _same_shardings(new_params, params)
     _same_shardings(new_state, state)
     calls = lambda: step(*step(new_params, new_state, x, y)[:2], x, y)
-    assert _compiles(calls) == 0
+    assert backend_compiles(calls) == 0
   if not pinned and mode == "auto":
     # Equal, not only equivalent: jit's dispatch cache holds one entry.
     assert step._cache_size() == 1  # pylint: disable=protected-access

@@ -6,6 +6,7 @@
 * ``accumulation``: ``multi_steps``, gradient accumulation around it.
 * ``sharding``: ``state_shardings``, the state placed like the params.
 * ``state_codec``: the optimizer state in bf16 or int8 blocks.
+* ``eager``: their per-leaf functions as one compiled program outside ``jit``.
 * ``placement``: where ``mixed_precision`` sits, checked at trace time (it
   is handed the state types and imports neither transform).
 * ``accessors``: ``scale_loss``, ``loss_scaler``, ``stats``, ``find_state``...

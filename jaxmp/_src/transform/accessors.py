@@ -275,14 +275,17 @@ def state_summary(opt_state: Any) -> "StateSummary":
   ``"bf16"``) or kept as it is (the note says why: under ``min_size``, or
   not a param-shaped leaf), the master buffers and the counters. Its
   ``nbytes`` is the total; its ``str`` a table. Host-side, no transfer.
+  An abstract state (``jax.eval_shape(opt.init, params)``) gives the same
+  rows: a state can be sized before it is built.
 
   Args:
-    opt_state: the optax state holding a `mixed_precision` state.
+    opt_state: the optax state holding a `mixed_precision` state, or its
+      `jax.eval_shape` (`jax.ShapeDtypeStruct` leaves).
 
   Returns:
     A `StateSummary`, a list of rows.
 
-  >>> import jax.numpy as jnp, optax, jaxmp
+  >>> import jax, jax.numpy as jnp, optax, jaxmp
   >>> opt = jaxmp.mixed_precision(
   ...     optax.adam(1e-3), optimizer_state=jaxmp.StateQuantization(
   ...         "int8", min_size=256))
@@ -290,6 +293,8 @@ def state_summary(opt_state: Any) -> "StateSummary":
   >>> summary = jaxmp.state_summary(opt.init(params))
   >>> [(r.path, r.stored, r.nbytes) for r in summary if "mu" in r.path]
   [(".inner_state[0].mu['b']", 'float32', 16), (".inner_state[0].mu['w']", 'int8', 1040)]
+  >>> jaxmp.state_summary(jax.eval_shape(opt.init, params)) == summary
+  True
   """
   state = find_state(opt_state)
   codec = getattr(state, "optimizer_state", None)

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import dtypes
+from jaxmp._src.transform import eager
 from jaxmp._src.transform import rounding
 
 MODES = ("fp32", "none", "kahan", "stochastic", "remainder")
@@ -267,6 +268,7 @@ class Stochastic:
 _SIGN = 0x8000  # The sign bit of a bfloat16 (and of an int16).
 
 
+@eager.jit_when_concrete
 def split_master(m: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Splits an fp32 master into ``(param, remainder)``: bfloat16 and int16.
 
@@ -291,6 +293,7 @@ def split_master(m: jax.Array) -> tuple[jax.Array, jax.Array]:
   return param, low.astype(jnp.int16)
 
 
+@eager.jit_when_concrete
 def join_master(param: jax.Array, remainder: jax.Array) -> jax.Array:
   """The fp32 master of a bfloat16 ``param`` and its int16 ``remainder``."""
   hi = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32)
@@ -305,6 +308,16 @@ def join_master(param: jax.Array, remainder: jax.Array) -> jax.Array:
   )
   bits = jnp.where((hi & jnp.uint32(0x7FFF)) == 0, zero_bits, bits)
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+@eager.jit_when_concrete
+def _init_remainder(param: jax.Array) -> jax.Array:
+  """The remainder of a master that is ``param`` itself.
+
+  All zeros, but a -0.0 param's master is -0.0 (the sign goes to the
+  remainder).
+  """
+  return split_master(param.astype(jnp.float32))[1]
 
 
 class Remainder:
@@ -325,11 +338,7 @@ class Remainder:
         )
 
     def remainder(p):
-      if not dtypes.is_half(p):
-        return None
-      # An init master is the param itself: an all-zero remainder, but a
-      # -0.0 param's master is -0.0 (the sign goes to the remainder).
-      return split_master(p.astype(jnp.float32))[1]
+      return _init_remainder(p) if dtypes.is_half(p) else None
 
     return Buffers(
       master_params=_no_masters(params),

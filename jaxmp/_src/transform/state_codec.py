@@ -53,12 +53,14 @@ the compiler gathers what a block needs (auto axes), or encoding raises
 """
 
 import dataclasses
+import math
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src.transform import eager
 from jaxmp._src.transform import rounding
 
 KINDS = ("fp32", "bf16", "int8")
@@ -291,6 +293,7 @@ def _check_explicit_blocks(x, block: int, padded: int) -> None:
   )
 
 
+@eager.jit_when_concrete
 def decode(e: EncodedLeaf) -> jax.Array:
   """The value of an encoded leaf, in its original dtype."""
   spec = e.spec
@@ -305,6 +308,7 @@ def decode(e: EncodedLeaf) -> jax.Array:
   return v.reshape(spec.shape).astype(spec.dtype)
 
 
+@eager.jit_when_concrete(static_argnums=(1,))
 def encode(x: jax.Array, codec: StateQuantization) -> EncodedLeaf:
   """``x`` encoded as ``codec`` says."""
   stochastic = codec.rounding == "stochastic" or (
@@ -324,6 +328,25 @@ def _encodable(x, param, codec: StateQuantization) -> bool:
     and jnp.issubdtype(x.dtype, jnp.floating)
     and int(np.prod(x.shape)) >= codec.min_size
   )
+
+
+def _not_constant(x):
+  """``x``, which XLA may not treat as a constant (under a trace).
+
+  Optax builds its moments with ``jnp.zeros_like``: under ``jax.jit`` a
+  constant, whose whole encoding (each block's absmax, the rounding hash,
+  the codes) XLA would fold while compiling ``init``: 1.8 s per
+  3x3x256x256 kernel on a Xeon core. Behind `jax.lax.optimization_barrier`
+  the same ops run in the compiled ``init`` (the same bits; 1.4 ms more for
+  four such kernels, and a leaf's fp32 zeros live while it runs, as its
+  decoded moments do in every step). Placement is still `sharding`'s tie of
+  the encoded leaf: propagation carries the param's sharding back through
+  the encoding and this barrier, so each device encodes its own shard, with
+  the same collectives as before (none where a shard holds whole blocks).
+  """
+  if isinstance(x, jax.core.Tracer):
+    return jax.lax.optimization_barrier(x)
+  return x
 
 
 def encode_state(
@@ -353,7 +376,7 @@ def encode_state(
       return x
     leaves = treedef.flatten_up_to(x)
     out = [
-      encode(leaf, codec) if _encodable(leaf, p, codec) else leaf
+      encode(_not_constant(leaf), codec) if _encodable(leaf, p, codec) else leaf
       for leaf, p in zip(leaves, param_leaves)
     ]
     return jax.tree.unflatten(treedef, out)
@@ -378,6 +401,7 @@ def encode_like(new_state: Any, encoded: Any) -> Any:
   )
 
 
+@eager.jit_when_concrete(static_argnums=(1,))
 def encode_with(x: jax.Array, spec: Spec) -> EncodedLeaf:
   """``x`` encoded with an existing leaf's `Spec`."""
   if spec.kind == "bf16":
@@ -390,22 +414,31 @@ def encode_with(x: jax.Array, spec: Spec) -> EncodedLeaf:
   return encode_int8(x.astype(spec.dtype), spec.block, spec.stochastic)
 
 
+def _nbytes(x) -> int:
+  """The bytes of an array or of a `jax.ShapeDtypeStruct` (no ``nbytes``)."""
+  return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
+
 def summary_rows(state: Any, codec: Optional[StateQuantization]) -> list:
-  """One row per leaf of ``state``: path, shape, how it is stored, bytes."""
+  """One row per leaf of ``state``: path, shape, how it is stored, bytes.
+
+  ``state`` may be abstract (`jax.eval_shape` of an ``init``): the rows are
+  those of the state it describes.
+  """
   rows = []
   for path, x in jax.tree_util.tree_leaves_with_path(
     state, is_leaf=_is_encoded
   ):
     path = jax.tree_util.keystr(path)
     if _is_encoded(x):
-      nbytes = x.data.nbytes + (0 if x.scale is None else x.scale.nbytes)
+      nbytes = _nbytes(x.data) + (0 if x.scale is None else _nbytes(x.scale))
       rows.append(
         StateRow(path, x.spec.shape, x.spec.kind, int(nbytes), "encoded")
       )
       continue
     shape = tuple(getattr(x, "shape", ()))
     dtype = jnp.dtype(getattr(x, "dtype", np.asarray(x).dtype))
-    size = int(np.prod(shape))
+    size = math.prod(shape)
     note = ""
     inner = path.startswith(".inner_state")
     if inner and codec and jnp.issubdtype(dtype, jnp.floating) and shape:
