@@ -91,12 +91,13 @@ def test_eval_counts_every_example_once(
     tiny_data.test_labels,
     tiny_data.num_classes,
   )
+  # One stage of one block: what is counted is the batches, not the net.
   model = steps.create_model(
     s.model,
     num_classes=data.num_classes,
     num_filters=s.num_filters,
     precision=s.precision,
-  )
+  ).clone(stage_sizes=(1,))
   optimizer = steps.create_optimizer(s.precision, 0.1, momentum=0.9)
   state = steps.create_train_state(model, optimizer, (32, 32, 3), seed=0)
   eval_step = steps.make_eval_step(
