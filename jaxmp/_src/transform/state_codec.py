@@ -335,14 +335,13 @@ def _not_constant(x):
 
   Optax builds its moments with ``jnp.zeros_like``: under ``jax.jit`` a
   constant, whose whole encoding (each block's absmax, the rounding hash,
-  the codes) XLA would fold while compiling ``init``: 1.8 s per
-  3x3x256x256 kernel on a Xeon core. Behind `jax.lax.optimization_barrier`
-  the same ops run in the compiled ``init`` (the same bits; 1.4 ms more for
-  four such kernels, and a leaf's fp32 zeros live while it runs, as its
-  decoded moments do in every step). Placement is still `sharding`'s tie of
-  the encoded leaf: propagation carries the param's sharding back through
-  the encoding and this barrier, so each device encodes its own shard, with
-  the same collectives as before (none where a shard holds whole blocks).
+  the codes) XLA would fold while compiling ``init``, seconds for a large
+  kernel. Behind `jax.lax.optimization_barrier` the same ops run in the
+  compiled ``init``, with the same bits (a leaf's fp32 zeros live while it
+  runs, as its decoded moments do in every step). Placement is still
+  `sharding`'s tie of the encoded leaf: propagation carries the param's
+  sharding back through the encoding and this barrier, so each device
+  encodes its own shard.
   """
   if isinstance(x, jax.core.Tracer):
     return jax.lax.optimization_barrier(x)
