@@ -41,12 +41,19 @@ OUTSIDE = "(outside a test: collection, plugins)"
 _current = [None]
 _seconds = collections.defaultdict(collections.Counter)
 _counts = collections.defaultdict(collections.Counter)
+# Backend-compile seconds and counts by the compiled function's name (a
+# jitted function's, or a primitive's where an op ran eagerly).
+_fun_seconds = collections.Counter()
+_fun_counts = collections.Counter()
 
 
 def _listen(event, duration, **kwargs):
-  del kwargs
   _seconds[_current[0]][event] += duration
   _counts[_current[0]][event] += 1
+  if event == EVENTS["compile"]:
+    name = str(kwargs.get("fun_name", "?"))
+    _fun_seconds[name] += duration
+    _fun_counts[name] += 1
 
 
 def pytest_configure(config):
@@ -70,19 +77,28 @@ def pytest_unconfigure(config):
   with open(os.path.join(out, f"{name}.json"), "w") as f:
     json.dump(
       {
-        (test or OUTSIDE): {"seconds": _seconds[test], "counts": _counts[test]}
-        for test in _seconds
+        "tests": {
+          (test or OUTSIDE): {"seconds": _seconds[test], "counts": _counts[test]}
+          for test in _seconds
+        },
+        "functions": {
+          fun: [_fun_seconds[fun], _fun_counts[fun]] for fun in _fun_seconds
+        },
       },
       f,
     )
 
 
-def _read(out: str) -> dict:
-  tests = {}
+def _read(out: str) -> tuple[dict, dict]:
+  tests, functions = {}, collections.defaultdict(lambda: [0.0, 0])
   for name in os.listdir(out):
     with open(os.path.join(out, name)) as f:
-      tests.update(json.load(f))
-  return tests
+      worker = json.load(f)
+    tests.update(worker["tests"])
+    for fun, (seconds, count) in worker["functions"].items():
+      functions[fun][0] += seconds
+      functions[fun][1] += count
+  return tests, functions
 
 
 def _row(label: str, seconds: dict, counts: dict) -> str:
@@ -96,6 +112,13 @@ def _row(label: str, seconds: dict, counts: dict) -> str:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--top", type=int, default=25)
+  parser.add_argument(
+    "--functions",
+    type=int,
+    default=25,
+    help="also list this many compiled functions (by name) with the most"
+    " backend-compile seconds over the whole run",
+  )
   args, pytest_args = parser.parse_known_args(argv)
   pytest_args = pytest_args or ["-n", "2", "-m", "not invariant"]
   with tempfile.TemporaryDirectory() as out:
@@ -108,7 +131,7 @@ def main(argv=None) -> int:
     )
     command = [sys.executable, "-m", "pytest", "-q", "-p", "suite_compiles"]
     code = subprocess.call(command + pytest_args, cwd=ROOT, env=env)
-    tests = _read(out)
+    tests, functions = _read(out)
   compile_key = EVENTS["compile"]
   ranked = sorted(
     tests.items(), key=lambda kv: -kv[1]["seconds"].get(compile_key, 0.0)
@@ -123,6 +146,14 @@ def main(argv=None) -> int:
     total_n.update(v["counts"])
   count = sum(t != OUTSIDE for t in tests)
   print(_row(f"all: {count} tests with events, and outside", total_s, total_n))
+  if args.functions:
+    print()
+    print("| compiled function | backend compile | programs |")
+    print("|---|---|---|")
+    for fun, (seconds, count) in sorted(
+      functions.items(), key=lambda kv: -kv[1][0]
+    )[: args.functions]:
+      print(f"| {fun} | {seconds:.2f} s | {count} |")
   for k in EVENTS:
     print(f"suite_{k}_seconds: {total_s.get(EVENTS[k], 0.0):.1f}")
   return code
