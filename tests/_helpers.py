@@ -58,7 +58,8 @@ def _legacy_emitters() -> str:
   """XLA:CPU's older kernel emitters, where this jaxlib still has them.
 
   jaxlib 0.10 and older emit each fusion's kernel through MLIR by default;
-  their older LLVM IR emitters compile about three times faster
+  their older LLVM IR emitters, with one codegen thread a program, compile
+  the suite's programs in about a third of the CPU time
   (``bench/diagnose/suite_compiles.py``). jaxlib 0.11 removed them, and its
   XLA stops at an unknown flag, so there nothing is added.
   """
@@ -70,7 +71,14 @@ def _legacy_emitters() -> str:
     )
   except (metadata.PackageNotFoundError, ValueError):
     return ""
-  return " --xla_cpu_use_fusion_emitters=false" if major_minor < (0, 11) else ""
+  if major_minor >= (0, 11):
+    return ""
+  # One LLVM module a program: with these emitters, splitting a program's
+  # kernels over codegen threads costs more CPU than it saves.
+  return (
+    " --xla_cpu_use_fusion_emitters=false"
+    " --xla_cpu_parallel_codegen_split_count=1"
+  )
 
 
 # The tests use tiny shapes, so XLA's slow LLVM optimisations and its slower

@@ -78,7 +78,10 @@ def pytest_unconfigure(config):
     json.dump(
       {
         "tests": {
-          (test or OUTSIDE): {"seconds": _seconds[test], "counts": _counts[test]}
+          (test or OUTSIDE): {
+            "seconds": _seconds[test],
+            "counts": _counts[test],
+          }
           for test in _seconds
         },
         "functions": {
