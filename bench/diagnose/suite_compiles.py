@@ -12,7 +12,10 @@ plugin in every test process (pytest-xdist's workers included; not in the
 processes a test starts itself). It listens to jax's compile events (tracing,
 lowering to StableHLO, XLA's backend compile, persistent-cache hits) and
 prints, for the ``--top`` tests with the most backend-compile seconds, the
-seconds and counts of each, then the totals over all tests. On a 2-core
+seconds and counts of each, then the totals over all tests, then the
+``--functions`` compiled functions (by name: a jitted function's, or a
+primitive's where an op ran eagerly) with the most backend-compile
+seconds over the whole run. On a 2-core
 machine the suite keeps both cores busy (``/usr/bin/time`` of the README's
 command: its CPU time is about twice its wall time), so the suite's time is
 the work it does, and these events are the largest part of it.
@@ -41,8 +44,7 @@ OUTSIDE = "(outside a test: collection, plugins)"
 _current = [None]
 _seconds = collections.defaultdict(collections.Counter)
 _counts = collections.defaultdict(collections.Counter)
-# Backend-compile seconds and counts by the compiled function's name (a
-# jitted function's, or a primitive's where an op ran eagerly).
+# Backend-compile seconds and counts by the compiled function's name.
 _fun_seconds = collections.Counter()
 _fun_counts = collections.Counter()
 
