@@ -30,6 +30,10 @@ from jaxmp._src.transform.calibrate import calibrate_loss_scale
 from jaxmp._src.nn.compiler import cpu_compiler_options
 from jaxmp._src.autocast.fp8 import Fp8Recipe
 from jaxmp._src.presets.initialize import initialize
+from jaxmp._src.reduction.report import Reduction
+from jaxmp._src.reduction.report import reduction_report
+from jaxmp._src.reduction.report import ReductionReport
+from jaxmp._src.reduction.wire import pmean_grads
 from jaxmp._src.transform.mixed_precision import adjust_loss_scale
 from jaxmp._src.transform.mixed_precision import all_finite
 from jaxmp._src.transform.mixed_precision import LossScaleConfig
@@ -74,8 +78,12 @@ __all__ = (
   "MixedPrecisionState",
   "NonFiniteLossError",
   "overflow_report",
+  "pmean_grads",
   "Preset",
   "PRESETS",
+  "Reduction",
+  "reduction_report",
+  "ReductionReport",
   "rollback_if_skipped",
   "scale_loss",
   "SpikeSkip",

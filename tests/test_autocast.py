@@ -127,7 +127,11 @@ def test_matrix_products_run_in_dtype_forward_and_backward(dtype):
   fwd = jax.make_jaxpr(g)(W, X, k)
   assert_all_half(fwd, half)
   assert len(products(fwd)) == 2
-  bwd = jax.make_jaxpr(jax.grad(g, argnums=(0, 2)))(W, X, k)
+  # (grad_reduce="native": JAX's own transposes. By default the weights'
+  # cotangent products output fp32, and on CPU take bf16 operands in fp32:
+  # XLA:CPU runs no bf16 x bf16 -> f32 product outside a fusion.)
+  native = jaxmp.autocast(f, dtype, grad_reduce="native")
+  bwd = jax.make_jaxpr(jax.grad(native, argnums=(0, 2)))(W, X, k)
   # Forward 2, backward: dW (1), dK and dimg (2), dh (1).
   assert len(products(bwd)) >= 5
   assert_all_half(bwd, half)
@@ -142,11 +146,21 @@ def test_matrix_products_run_in_dtype_forward_and_backward(dtype):
     assert_within(gr, r, (2 * 70 + 10) * U[jnp.dtype(dtype)] * b)
 
 
-def test_preferred_element_type_is_not_fp32():
-  # An fp32 accumulation type would make the transposes fp32 x fp32.
-  g = jaxmp.autocast(lambda w, x: jnp.sum(x @ w))
-  for e in eqns(jax.make_jaxpr(jax.grad(g))(W, X), "dot_general"):
-    assert e.params["preferred_element_type"] == jnp.float16
+@pytest.mark.parametrize("grad_reduce", ["fp32", "native"])
+def test_backward_products_stay_half_x_half(grad_reduce):
+  # An fp32 forward output would make the transposes fp32 x fp32. Under
+  # grad_reduce="fp32" the weight's cotangent product asks for an fp32
+  # output (its cross-device sum is there), its operands still half.
+  g = jaxmp.autocast(lambda w, x: jnp.sum(x @ w), grad_reduce=grad_reduce)
+  found = eqns(jax.make_jaxpr(jax.grad(g))(W, X), "dot_general")
+  for e in found:
+    assert [v.aval.dtype for v in e.invars] == [jnp.float16] * 2
+  out = {
+    e.outvars[0].aval.shape: e.params["preferred_element_type"] for e in found
+  }
+  wide = jnp.float32 if grad_reduce == "fp32" else jnp.float16
+  # The forward's output (X @ W) stays half; w's cotangent is `wide`.
+  assert out == {(8, 4): jnp.float16, W.shape[::-1]: wide}
 
 
 def test_user_preferred_element_type_is_kept():

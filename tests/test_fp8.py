@@ -275,11 +275,16 @@ def test_convolutions_in_fp8_on_cpu_and_in_dtype_when_asked():
   jp = jax.make_jaxpr(jaxmp.autocast(_conv, fp8=jaxmp.Fp8Recipe(conv=False)))(
     x, w
   )
-  (e,) = [
+  body = jp.eqns[0].params["jaxpr"].eqns
+  # The bf16 product sits in the custom_vjp that widens its weight's
+  # cotangent (grad_reduce="fp32").
+  inner = [
     e
-    for e in jp.eqns[0].params["jaxpr"].eqns
-    if e.primitive.name == "conv_general_dilated"
+    for c in body
+    if c.primitive.name == "custom_vjp_call"
+    for e in c.params["call_jaxpr"].eqns
   ]
+  (e,) = [e for e in body + inner if e.primitive.name == "conv_general_dilated"]
   assert [str(v.aval.dtype) for v in e.invars] == ["bfloat16", "bfloat16"]
 
 

@@ -468,6 +468,7 @@ def run_custom_vjp(
   out_dtypes_of: Callable[[list], list],
   ct_dtypes: Optional[Sequence[Any]] = None,
   res_dtypes_of: Optional[Callable[[list], list]] = None,
+  bwd_body: Optional[Body] = None,
 ) -> list:
   """Re-binds a ``custom_vjp`` whose primal and rules run through ``body``.
 
@@ -488,7 +489,10 @@ def run_custom_vjp(
     ct_dtypes: the dtypes of the output cotangents the bwd rule expects.
     res_dtypes_of: maps the residuals the fwd rule computed to the dtypes
       to save them in (by default, as computed).
+    bwd_body: the evaluator of the bwd rule's operations (``body`` by
+      default).
   """
+  bwd_body = body if bwd_body is None else bwd_body
   p = eqn.params
   call_jaxpr = p["call_jaxpr"]
   nconsts = p["num_consts"]
@@ -568,7 +572,7 @@ def run_custom_vjp(
     jaxpr = trace(traced, [typeof(x) for x in (*res, *cts)])
     if meta["logs"] is not None:  # Logged rules run as written.
       return finish(*call_bwd(*res, *cts))
-    it = iter(body(jaxpr, [*res, *cts]))
+    it = iter(bwd_body(jaxpr, [*res, *cts]))
     cts_in = [
       _Zero(t) if z else next(it)
       for z, t in zip(meta["zero"], in_tangent_avals)

@@ -31,13 +31,61 @@ from jaxmp._src.autocast import _jaxpr_interp as ji
 from jaxmp._src.autocast import fp8 as _fp8
 from jaxmp._src.autocast import report
 from jaxmp._src.autocast import rules
+from jaxmp._src.reduction import products
+
+# Ops that pass a value through unchanged in substance: a product operand
+# reached from a function input through them is a weight (or data, whose
+# cotangent is never used), whose cotangent is a sum over the batch.
+_STRUCTURAL = frozenset(
+  {
+    "convert_element_type",
+    "reshape",
+    "transpose",
+    "squeeze",
+    "expand_dims",
+    "broadcast_in_dim",
+    "copy",
+    "copy_p",
+    "slice",
+    "rev",
+    "sharding_constraint",
+    "reduce_precision",
+    "mesh_cast",
+    "reshard",
+    "pvary",
+    "pcast",
+  }
+)
+# Linear ops whose transposes sum over what they broadcast or gather (a
+# bias's or a norm scale's gradient, an embedding's scatter-add).
+_SUMMED_BY_TRANSPOSE = frozenset({"broadcast_in_dim", "gather"})
+# Elementwise ops that broadcast size-1 dims themselves (their transposes
+# sum over them).
+_BROADCASTING = frozenset({"add", "sub", "mul", "div", "max", "min"})
 
 
 class Interpreter:
   """Evaluates jaxprs with the autocast rules, in dtype ``dtype``."""
 
-  def __init__(self, dtype, natural: bool = False, fp8=None):
+  def __init__(
+    self, dtype, natural: bool = False, fp8=None, grad_reduce="native"
+  ):
     self.dtype = jnp.dtype(dtype)
+    # "fp32"/"half_wire": the weight cotangents of half products, and the
+    # sums of half weights' broadcasts and gathers, leave them in fp32
+    # (reduction/products.py); "native": JAX's own dtypes.
+    self.grad_reduce = grad_reduce
+    # The values reached from the evaluated function's inputs through
+    # structural ops only (weights, data), by id: see `_STRUCTURAL`. They
+    # are held, so no other value takes their id, until the outermost `run`
+    # returns.
+    self._from_inputs: dict = {}
+    self._depth = 0
+    # In the bwd rule of a custom_vjp whose fp32 inputs were cast to half at
+    # its boundary (jaxmp.nn's convolution): products give fp32, rounded to
+    # their half dtype after, so that a cross-device sum at their output
+    # (GSPMD's place for it) runs in fp32.
+    self.widen_products = False
     self.fp8 = fp8  # An Fp8Recipe: products in fp8 (fp8.py).
     self.max = float(jnp.finfo(self.dtype).max)
     # natural: no lists, every op in the widest dtype of its inputs (what
@@ -49,22 +97,46 @@ class Interpreter:
     # (differentiation, lowering) hit for the repeats.
     self._jits: dict = {}
 
-  def run(self, jaxpr, args, weak=None, sink=None):
-    """``jaxpr`` evaluated on ``args``, each equation by `_eqn`."""
+  def run(self, jaxpr, args, weak=None, sink=None, from_inputs=None):
+    """``jaxpr`` evaluated on ``args``, each equation by `_eqn`.
+
+    ``from_inputs``: per argument, whether it counts as a function input
+    for ``grad_reduce`` (all of them by default).
+    """
+    if self.grad_reduce != "native":
+      if from_inputs is None or len(from_inputs) != len(args):
+        from_inputs = [True] * len(args)
+      self._mark(x for x, f in zip(args, from_inputs) if f)
 
     def handle(eqn, invals, inweak):
       return self._eqn(eqn, invals, inweak, sink)
 
-    outs, _ = ji.evaluate(
-      jaxpr, list(args), handle, weak, weak_literal=self._weak_literal
-    )
+    self._depth += 1
+    try:
+      outs, _ = ji.evaluate(
+        jaxpr, list(args), handle, weak, weak_literal=self._weak_literal
+      )
+    finally:
+      self._depth -= 1
+      if not self._depth:
+        self._from_inputs.clear()
     return outs
+
+  def _mark(self, values):
+    self._from_inputs.update((id(x), x) for x in values)
 
   def _eqn(self, eqn, invals, inweak, sink):
     """One equation: its outputs and their weak-type flags."""
     k = ji.kind(eqn)
     if k is None:
       outs, inlined = self._first_order(eqn, invals, inweak), False
+      if (
+        self.grad_reduce != "native"
+        and ji.primitive_name(eqn) in _STRUCTURAL
+        and invals
+        and id(invals[0]) in self._from_inputs
+      ):
+        self._mark(outs)
     else:
       outs, inlined = self._with_bodies(k, eqn, invals, inweak, sink)
     if sink is not None and not inlined:
@@ -76,12 +148,22 @@ class Interpreter:
     """A primitive without bodies, its inputs cast by the rules."""
     avals = ji.in_avals(eqn)
     name = ji.primitive_name(eqn)
+    if self.grad_reduce != "native" and name in _BROADCASTING:
+      invals = self._broadcast_weights(eqn, invals)
     if name in rules.AS_TRACED or any(
       rules.is_float(a.dtype) and not rules.castable(a.dtype) for a in avals
     ):
       return _as_traced(eqn, invals)
     idx = [i for i, a in enumerate(avals) if rules.castable(a.dtype)]
     if not idx or name in rules.INDEPENDENT:
+      if (
+        name in _SUMMED_BY_TRANSPOSE
+        and self.grad_reduce != "native"
+        and idx[:1] == [0]
+        and jnp.dtype(invals[0].dtype) in rules.HALF
+        and id(invals[0]) in self._from_inputs
+      ):
+        return [products.summed_in_fp32(eqn, invals)]
       return ji.bind(eqn, invals)
     updates = {}
     target = self._target(
@@ -106,10 +188,46 @@ class Interpreter:
       )
       if out is not None:
         return out
+    if (
+      self.grad_reduce != "native"
+      and name in products.PRODUCTS
+      and len(idx) == 2
+      and target in rules.HALF
+    ):
+      # A weight's cotangent (an fp32 operand cast to half, or a value
+      # reached from the inputs) leaves the backward product in fp32.
+      wide = [
+        jnp.dtype(invals[i].dtype) == rules.F32
+        or id(invals[i]) in self._from_inputs
+        for i in idx
+      ]
+      if any(wide):
+        out = products.product(
+          eqn, invals, [target] * 2, wide, self.grad_reduce, updates
+        )
+        return [out]
     args = list(invals)
     for i in idx:
       args[i] = rules.cast(args[i], target)
+    if self.widen_products and name in products.PRODUCTS and len(idx) == 2:
+      if target in rules.HALF and "preferred_element_type" not in updates:
+        return [rules.cast(products.bind_f32(eqn, args, updates), target)]
     return ji.bind(eqn, args, **updates)
+
+  def _broadcast_weights(self, eqn, invals):
+    """Half weights an elementwise op broadcasts, broadcast beforehand."""
+    shape = tuple(ji.out_avals(eqn)[0].shape)
+    out = list(invals)
+    for i, x in enumerate(invals):
+      if (
+        hasattr(x, "shape")
+        and tuple(x.shape) != shape
+        and len(x.shape) == len(shape)
+        and jnp.dtype(x.dtype) in rules.HALF
+        and id(x) in self._from_inputs
+      ):
+        out[i] = products.broadcast_summed_in_fp32(x, shape)
+    return out
 
   def _target(self, name, floats, weak):
     """The dtype primitive ``name`` runs in, given its castable inputs."""
@@ -126,67 +244,86 @@ class Interpreter:
     ``inlined``: the body was evaluated in line, its own equations checked
     for the debug report (so the equation itself is not).
     """
+    # (An fp32 input's products are widened by its dtype alone: only half
+    # inputs need the mark, and only they key the rewritten bodies.)
+    ins = [
+      id(x) in self._from_inputs
+      and hasattr(x, "dtype")
+      and jnp.dtype(x.dtype) in rules.HALF
+      for x in invals
+    ]
     if k == "jit":
       name = ji.call_name(eqn)
       if rules.NO_AUTOCAST_MARK in name or rules.AUTOCAST_MARK in name:
         return _as_traced(eqn, invals), False
       if sink is not None:
-        return self.run(ji.params(eqn)["jaxpr"], invals, inweak, sink), True
-      return self._jit(eqn, invals, inweak), False
+        return (
+          self.run(ji.params(eqn)["jaxpr"], invals, inweak, sink, ins),
+          True,
+        )
+      return self._jit(eqn, invals, inweak, ins), False
     if k == "call":
       params = ji.params(eqn)
       call = ji.closed(params.get("call_jaxpr", params.get("jaxpr")))
-      return self.run(call, invals, inweak, sink), True
+      return self.run(call, invals, inweak, sink, ins), True
     if k == "remat":
-      outs = ji.run_remat(eqn, invals, self._body(inweak))
+      outs = ji.run_remat(eqn, invals, self._body(inweak, ins))
     elif k == "cond":
-      outs = ji.run_cond(eqn, invals, self._body(inweak[1:]), rules.unify)
+      outs = ji.run_cond(
+        eqn, invals, self._body(inweak[1:], ins[1:]), rules.unify
+      )
     elif k == "scan":
       # A carry changes from trip to trip: never weak, even from a weak
       # init (jnp.zeros), or an fp32 accumulator would add in half.
       nc, nk = ji.scan_counts(eqn)
       weak = [w and not nc <= i < nc + nk for i, w in enumerate(inweak)]
-      outs = ji.run_scan(eqn, invals, self._body(weak))
+      outs = ji.run_scan(eqn, invals, self._body(weak, ins))
     elif k == "while":
       outs = ji.run_while(eqn, invals, self._body())
     elif k == "shard_map":
-      outs = ji.run_shard_map(eqn, invals, self._body(inweak))
+      outs = ji.run_shard_map(eqn, invals, self._body(inweak, ins))
     elif k == "custom_jvp":
-      outs = ji.run_custom_jvp(eqn, invals, self._body(inweak), list)
+      outs = ji.run_custom_jvp(eqn, invals, self._body(inweak, ins), list)
     elif k == "custom_vjp":
-      outs = self._custom_vjp(eqn, invals, inweak)
+      outs = self._custom_vjp(eqn, invals, inweak, ins)
     else:
       outs = _as_traced(eqn, invals)
     return outs, False
 
-  def _jit(self, eqn, invals, inweak):
+  def _jit(self, eqn, invals, inweak, ins):
     inner = ji.params(eqn)["jaxpr"]
     avals = [ji.typeof(x) for x in invals]
     try:
-      key = (inner, tuple(avals), tuple(inweak))
+      key = (inner, tuple(avals), tuple(inweak), tuple(ins))
       hash(key)
     except TypeError:  # pragma: no cover - an unhashable type: no reuse.
-      return ji.run_jit(eqn, invals, self._body(inweak))
+      return ji.run_jit(eqn, invals, self._body(inweak, ins))
     body = self._jits.get(key)
     if body is None:
-      run = self._body(inweak)
+      run = self._body(inweak, ins)
       body = self._jits[key] = ji.trace(lambda *a: run(inner, a), avals)
     return ji.bind(eqn, invals, jaxpr=body)
 
-  def _custom_vjp(self, eqn, invals, inweak):
+  def _custom_vjp(self, eqn, invals, inweak, ins=None):
     call = ji.params(eqn)["call_jaxpr"]
+    bwd_body = None
     avals = ji.in_avals(eqn)
     args = list(invals)
-    if not self.natural:
+    only = ji.inputs_only_multiplied(call, rules.LOWER_PRECISION)
+    floats = [i for i, a in enumerate(avals) if rules.castable(a.dtype)]
+    multiplied = bool(floats) and all(only[i] for i in floats)
+    if multiplied and not self.natural:
       # When the float inputs only feed matrix products, they are cast at
       # the boundary, so the rule saves them in half precision as the
       # product itself would. All or none: a rule may insist (lax.conv does)
       # that its operands share a dtype.
-      only = ji.inputs_only_multiplied(call, rules.LOWER_PRECISION)
-      floats = [i for i, a in enumerate(avals) if rules.castable(a.dtype)]
-      if floats and all(only[i] for i in floats):
-        for i in floats:
-          args[i] = rules.cast(args[i], self.dtype)
+      for i in floats:
+        args[i] = rules.cast(args[i], self.dtype)
+    if multiplied and self.grad_reduce != "native":
+      # Its weight cotangents come from the bwd rule's own products.
+      wide = Interpreter(self.dtype, self.natural, self.fp8)
+      wide.widen_products = True
+      bwd_body = wide._body()
     out_dtypes_of, res_dtypes_of = list, None
     if not self.natural and rules.NORMALIZATION_MARK in ji.rule_name(eqn):
       nc = ji.params(eqn)["num_consts"]
@@ -208,13 +345,19 @@ class Interpreter:
         ]
       )
     return ji.run_custom_vjp(
-      eqn, args, self._body(inweak), out_dtypes_of, ct_dtypes, res_dtypes_of
+      eqn,
+      args,
+      self._body(inweak, ins),
+      out_dtypes_of,
+      ct_dtypes,
+      res_dtypes_of,
+      bwd_body=bwd_body,
     )
 
-  def _body(self, inweak=None):
+  def _body(self, inweak=None, inputs=None):
     def body(jaxpr, args):
       w = inweak if inweak is not None and len(inweak) == len(args) else None
-      return self.run(jaxpr, args, w)
+      return self.run(jaxpr, args, w, from_inputs=inputs)
 
     return body
 

@@ -44,6 +44,7 @@ from jaxmp._src.autocast import interpreter
 from jaxmp._src.autocast import report
 from jaxmp._src.autocast import rules
 from jaxmp._src.autocast.report import AutocastReport
+from jaxmp._src.reduction import wire
 
 
 def _is_array(x) -> bool:
@@ -60,10 +61,20 @@ class _Region:
   """
 
   def __init__(
-    self, fun, name: str, impl: Callable, keep: Any = False, loops=False
+    self,
+    fun,
+    name: str,
+    impl: Callable,
+    keep: Any = False,
+    loops=False,
+    caller: Optional[str] = None,
   ):
     self.fun = fun
     self.name = name
+    # The public function named in errors about NNX arguments.
+    self.caller = caller or (
+      "jaxmp." + name.split("jaxmp_")[1].rsplit("_float", 1)[0]
+    )
     self.impl = impl  # impl(flat_fun, dyn) -> outs, with flat_fun traceable.
     self.keep = keep  # keep_output_dtypes: a bool or a prefix of the output.
     self.loops = loops  # As a loop's body, keep the carry's dtypes.
@@ -112,7 +123,7 @@ class _Region:
       fun = _keeping_dtypes(fun, self.keep)
     elif loop is not None:
       fun = _keeping_carry(fun, loop)
-    caller = "jaxmp." + self.name.split("jaxmp_")[1].rsplit("_float", 1)[0]
+    caller = self.caller
 
     def flat_fun(*dyn):
       it, st = iter(dyn), iter(static)
@@ -221,6 +232,7 @@ def autocast(
   debug: Union[bool, Callable[[AutocastReport], Any]] = False,
   keep_output_dtypes: Any = False,
   fp8: Union[bool, "_fp8.Fp8Recipe"] = False,
+  grad_reduce: str = "fp32",
 ) -> Callable:
   """Runs ``fun`` with Apex O1 / ``torch.autocast`` rules, the model unchanged.
 
@@ -269,6 +281,15 @@ def autocast(
       ``float8_e4m3fn`` operands with per-tensor current scaling, its
       output cotangent in ``float8_e5m2``, its result in ``dtype``; the
       other operations follow ``dtype``'s rules (see the fp8 guide).
+    grad_reduce: the dtype of the weight gradients' cross-device sums.
+      ``"fp32"`` (default): the backward product that gives a weight's
+      gradient (an fp32 param's, or any input's) outputs fp32, so the sum
+      XLA places there runs in fp32 (on one device, the gradient no longer
+      passes through half). ``"half_wire"``: half on the wire, fp32 adds
+      (an all-to-all of half partials over the mesh of ``jax.set_mesh``).
+      ``"native"``: JAX's dtypes (the sums in half), and forward-mode
+      differentiation (``jax.jvp``) of the products, which the other two do
+      not support. See the sharded-training guide.
 
   Returns:
     A function with ``fun``'s signature.
@@ -285,6 +306,7 @@ def autocast(
   >>> [str(v.aval.dtype) for v in dots[0].invars]
   ['float16', 'float16']
   """
+  grad_reduce = wire.check_mode(grad_reduce, "jaxmp.autocast")
   recipe = _fp8.recipe_of(fp8)
   if dtype is None:
     dtype = rules.F16 if recipe is None else rules.BF16
@@ -293,7 +315,7 @@ def autocast(
     raise ValueError(
       f"autocast dtype must be float16 or bfloat16, got {dtype.name}"
     )
-  interp = interpreter.Interpreter(dtype, fp8=recipe)
+  interp = interpreter.Interpreter(dtype, fp8=recipe, grad_reduce=grad_reduce)
 
   def impl(flat_fun, dyn):
     traced = ji.trace(flat_fun, [ji.typeof(x) for x in dyn])
@@ -347,3 +369,26 @@ def no_autocast(fun: Callable) -> Callable:
     )
 
   return _wrap(fun, _Region(fun, rules.NO_AUTOCAST_MARK, impl))
+
+
+def reducing_in_fp32(fun: Callable, grad_reduce: str) -> Callable:
+  """``fun`` as it is, but for the dtype of its weight gradients' sums.
+
+  Every operation runs in the dtypes plain JAX gives it (the interpreter's
+  natural mode); the matrix products, broadcasts and gathers of half values
+  reached from ``fun``'s inputs (half params) get the ``grad_reduce``
+  backward of `jaxmp._src.reduction.products`. ``jaxmp.autocast`` regions
+  inside ``fun`` keep their own setting. `jaxmp.value_and_grad` wraps the
+  loss in this when params hold half leaves.
+  """
+  interp = interpreter.Interpreter(
+    rules.F32, natural=True, grad_reduce=grad_reduce
+  )
+
+  def impl(flat_fun, dyn):
+    traced = ji.trace(flat_fun, [ji.typeof(x) for x in dyn])
+    weak = [ji.typeof(x).weak_type for x in dyn]
+    return interp.run(traced, dyn, weak)
+
+  name = f"jaxmp_grad_reduce_{grad_reduce}"
+  return _wrap(fun, _Region(fun, name, impl, caller="jaxmp.value_and_grad"))

@@ -12,9 +12,12 @@ forgotten scale, a state read from a global) cannot happen.
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 
 from jaxmp._src.transform import accessors
 from jaxmp._src import nnx_support
+from jaxmp._src.autocast import regions
+from jaxmp._src.reduction import wire
 
 
 def value_and_grad(
@@ -23,6 +26,7 @@ def value_and_grad(
   *,
   wrt: Optional[Any] = None,
   argnums: int = 0,
+  grad_reduce: str = "fp32",
 ) -> Callable[..., tuple[Any, Any]]:
   """Returns ``grad_fn(params, opt_state, *args, **kwargs) -> (loss, grads)``.
 
@@ -48,6 +52,16 @@ def value_and_grad(
     argnums: only ``0``: the first argument of ``fun`` is differentiated (it
       sits before ``opt_state`` in ``grad_fn``'s arguments). To
       differentiate several arguments, pass them as one tuple.
+    grad_reduce: where ``params`` hold fp16 or bf16 leaves, the dtype of
+      their gradients' cross-device sums (under ``jit`` on a mesh, XLA sums
+      a weight's gradient at the output of the backward product that gives
+      it). ``"fp32"`` (default): those products output fp32, the sum runs
+      in fp32, and each gradient is rounded once to its param's dtype after
+      it; the same for the sums of broadcast weights (biases, norm scales)
+      and gathered ones (embeddings). ``"half_wire"``: half on the wire,
+      fp32 adds (over the mesh of ``jax.set_mesh``). ``"native"``: plain
+      JAX (the sums in half). With fp32 params, ``fun`` runs as it is
+      (use ``jaxmp.autocast(..., grad_reduce=)`` for its products).
 
   Returns:
     ``grad_fn``, which returns ``(loss, grads)`` or, with ``has_aux``,
@@ -73,6 +87,7 @@ def value_and_grad(
   >>> optax.apply_updates(params, updates)["w"]  # 1 - 0.5 * 2
   Array([0., 0.], dtype=float16)
   """
+  grad_reduce = wire.check_mode(grad_reduce, "jaxmp.value_and_grad")
   if argnums != 0:
     raise TypeError(
       f"jaxmp.value_and_grad(fun, argnums={argnums!r}): only argnums=0 is "
@@ -82,6 +97,10 @@ def value_and_grad(
       "fun((a, b), x) with jaxmp.value_and_grad(fun)((a, b), opt_state, x)"
     )
 
+  reducing = None
+  if grad_reduce != "native":
+    reducing = regions.reducing_in_fp32(fun, grad_reduce)
+
   def grad_fn(params, opt_state, *args, **kwargs):
     state = accessors.locate(
       opt_state,
@@ -89,9 +108,10 @@ def value_and_grad(
       "opt_state, the second argument of grad_fn(params, opt_state, *args)",
     )
     scale = state.loss_scale
+    loss_fn = reducing if reducing and _has_half(params) else fun
 
     def scaled_fun(p, *a, **k):
-      out = fun(p, *a, **k)
+      out = loss_fn(p, *a, **k)
       loss, aux = out if has_aux else (out, None)
       return accessors.scaled(loss, scale), (loss, aux)
 
@@ -107,3 +127,13 @@ def value_and_grad(
     return ((loss, aux) if has_aux else loss), grads
 
   return grad_fn
+
+
+def _has_half(params) -> bool:
+  """Whether ``params`` (a pytree or an NNX module) holds fp16/bf16 leaves."""
+  if nnx_support.is_module(params):
+    params = nnx_support.nnx().state(params)
+  return any(
+    hasattr(x, "dtype") and jnp.dtype(x.dtype) in wire.HALF
+    for x in jax.tree.leaves(params)
+  )

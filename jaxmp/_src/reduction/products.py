@@ -1,0 +1,327 @@
+"""Matrix products whose weight cotangents leave the product in fp32.
+
+Under GSPMD, a weight gradient's cross-device sum sits at the output of the
+backward product that contracts the batch, in that product's dtype. For a
+product run in half precision (autocast, or half params), JAX's transpose
+rule binds that backward product with a half output, so the gradient is
+summed in half across devices. `product` binds the forward product as
+before, and computes the cotangent of each ``wide`` operand with the same
+backward product on the same half operands, asking only for an fp32 output
+(``preferred_element_type``): the cross-device sum then runs in fp32 (or,
+with ``"half_wire"``, on a half wire with fp32 adds), and on one device the
+weight gradient no longer passes through half on its way to fp32.
+
+The backward products are JAX's own: the transpose of the forward is traced
+(``jax.linear_transpose``) and evaluated again with its products asked for
+fp32, so every dimension layout, feature group and sharding JAX supports is
+handled as JAX handles it.
+"""
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxmp._src.autocast import _jaxpr_interp as ji
+from jaxmp._src.reduction import wire
+
+_SymbolicZero = jax.custom_derivatives.SymbolicZero
+
+PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def product(eqn, operands: Sequence, dtypes: Sequence, wide, mode, updates):
+  """``eqn`` bound on ``operands`` cast to ``dtypes``, wide cotangents.
+
+  Args:
+    eqn: a ``dot_general`` or ``conv_general_dilated`` equation.
+    operands: its two operands, in the dtypes the caller differentiates
+      (fp32 params under autocast, half params under ``value_and_grad``).
+    dtypes: the dtypes the forward product runs in.
+    wide: per operand, whether its cotangent leaves the backward product in
+      fp32 (a weight's); the others keep plain JAX's cotangent.
+    mode: ``"fp32"`` or ``"half_wire"``.
+    updates: parameters of ``eqn`` to change (``preferred_element_type``).
+
+  Returns:
+    The product, as ``ji.bind(eqn, casts, **updates)`` would return it.
+  """
+  in_dtypes = [jnp.dtype(x.dtype) for x in operands]
+  # Inside shard_map: the axes each operand varies over (its placeholder's).
+  vma = [_varying_axes(x) for x in operands]
+
+  def casts(ops):
+    return [x if x.dtype == d else x.astype(d) for x, d in zip(ops, dtypes)]
+
+  @jax.custom_vjp
+  def prod(*ops):
+    return ji.bind(eqn, casts(ops), **updates)[0]
+
+  def prod_fwd(*ops):
+    # Only the operands whose cotangents are asked for (perturbed) need the
+    # other operand saved: data's weight is not saved for data's cotangent.
+    perturbed = [p.perturbed for p in ops]
+    cast = casts([p.value for p in ops])
+    out = ji.bind(eqn, cast, **updates)[0]
+    saved = [x if perturbed[1 - j] else None for j, x in enumerate(cast)]
+    return out, (saved, perturbed)
+
+  def prod_bwd(res, g):
+    saved, perturbed = res
+    # An operand's own value is never read for its cotangent (a product is
+    # linear in it): where it was not saved, its zeros stand for its type.
+    saved = [
+      _zeros_like(operands[j].shape, dtypes[j], vma[j]) if x is None else x
+      for j, x in enumerate(saved)
+    ]
+    cts = []
+    for j, dtype in enumerate(in_dtypes):
+      if not perturbed[j] or isinstance(g, _SymbolicZero):
+        cts.append(None)
+        continue
+      if wide[j]:
+        ct = _wide_cotangent(eqn, updates, saved, g, j, mode)
+      else:
+        ct = _cotangent(eqn, updates, saved, g, j, wide_out=False)
+      cts.append(ct.astype(dtype))
+    return tuple(cts)
+
+  prod.defvjp(prod_fwd, prod_bwd, symbolic_zeros=True)
+  return prod(*operands)
+
+
+def _varying_axes(x) -> frozenset:
+  """The manual axes ``x`` varies over (inside ``shard_map``)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))  # Older JAX.
+
+
+def _zeros_like(shape, dtype, vma):
+  zeros = jnp.zeros(shape, dtype)
+  return _varying(zeros, tuple(sorted(vma))) if vma else zeros
+
+
+def _cotangent(eqn, updates, cast, g, j, wide_out: bool):
+  """The cotangent of operand ``j``: JAX's transpose, fp32 out if asked."""
+
+  def linear(t):
+    args = list(cast)
+    args[j] = t
+    return ji.bind(eqn, args, **updates)[0]
+
+  # jax.vjp at the operand itself (its value unused: the product is linear
+  # in it) keeps the types shard_map checks (which axes a value varies
+  # over), which linear_transpose's abstract primal drops.
+  _, transpose = jax.vjp(linear, cast[j])
+  if not wide_out:
+    return transpose(g)[0]
+  jaxpr = jax.make_jaxpr(lambda c: transpose(c)[0])(g)
+  return ji.evaluate(jaxpr, [g], _widen)[0][0]
+
+
+def bind_f32(eqn, args, updates=None):
+  """Binds product ``eqn`` on ``args`` with an fp32 output.
+
+  XLA:CPU runs no bf16 x bf16 -> f32 product outside a fusion
+  ("Unsupported element type for DotThunk"), so on CPU bf16 operands are
+  widened first (it computes bf16 in fp32 anyway); elsewhere the operands
+  stay as they are.
+  """
+  if jax.default_backend() == "cpu" and any(
+    jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) for x in args
+  ):
+    args = [x.astype(wire.F32) for x in args]
+  return ji.bind(
+    eqn, args, **dict(updates or {}, preferred_element_type=wire.F32)
+  )[0]
+
+
+def _widen(eqn, invals, inweak):
+  """Binds a backward product with an fp32 output; keeps it fp32 after."""
+  name = ji.primitive_name(eqn)
+  if name in PRODUCTS:
+    outs = [bind_f32(eqn, invals)]
+  elif (
+    name == "convert_element_type"
+    and jnp.dtype(invals[0].dtype) == wire.F32
+    and jnp.dtype(ji.params(eqn)["new_dtype"]) in wire.HALF
+  ):
+    outs = [invals[0]]  # The transpose's cast back to half: skipped.
+  else:
+    outs = ji.bind(eqn, invals)
+  return outs, [False] * len(outs)
+
+
+def _wide_cotangent(eqn, updates, cast, g, j, mode):
+  """The fp32 cotangent of operand ``j``; on a half wire where asked."""
+  if mode == "half_wire":
+    plan = _half_wire_plan(eqn, cast, g, j)
+    if plan is not None:
+      return _half_wire_cotangent(eqn, updates, cast, g, j, *plan)
+  return _cotangent(eqn, updates, cast, g, j, wide_out=True)
+
+
+def _batch_dims(eqn, j, ndim_out):
+  """(the other operand's batch dim, the output's), or None.
+
+  The batch is the leading dimension of the other operand when it is a free
+  dimension that leads the output too: a dense layer's ``x @ w``, an einsum
+  ``btd,df->btf``, a convolution's ``N`` (by its dimension numbers).
+  """
+  p = ji.params(eqn)
+  k = 1 - j
+  name = ji.primitive_name(eqn)
+  if name == "dot_general":
+    (contract, batch) = p["dimension_numbers"]
+    if batch[0] or batch[1]:
+      return None
+    if 0 in contract[k]:
+      return None
+    if k == 0:
+      return 0, 0
+    return None  # w @ x: the batch is not the output's leading dim.
+  dn = p["dimension_numbers"]
+  if j != 1 or p.get("batch_group_count", 1) != 1:
+    return None
+  return dn.lhs_spec[0], dn.out_spec[0]
+
+
+def _mesh_axes():
+  """The mesh in context and its non-manual axes, or None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return None
+  manual = getattr(jax.sharding.AxisType, "Manual", None)
+  types = getattr(mesh, "axis_types", (None,) * len(mesh.axis_names))
+  axes = tuple(
+    a
+    for a, t in zip(mesh.axis_names, types)
+    if t != manual and mesh.shape[a] > 1
+  )
+  return (mesh, axes) if axes else None
+
+
+def _half_wire_plan(eqn, cast, g, j):
+  found = _mesh_axes()
+  dims = _batch_dims(eqn, j, g.ndim)
+  if found is None or dims is None:
+    return None
+  mesh, axes = found
+  n = 1
+  for a in axes:
+    n *= mesh.shape[a]
+  k = 1 - j
+  if cast[k].shape[dims[0]] % n or g.shape[dims[1]] % n:
+    return None
+  return mesh, axes, dims
+
+
+def _varying(x, axes):
+  """``x`` typed as varying over ``axes`` (shard_map's checks)."""
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, axes, to="varying")
+  return jax.lax.pvary(x, axes)  # pragma: no cover - jax < 0.10.
+
+
+def _spec(ndim, dim, axes):
+  spec = [None] * ndim
+  spec[dim] = axes
+  return jax.sharding.PartitionSpec(*spec)
+
+
+def _half_wire_cotangent(eqn, updates, cast, g, j, mesh, axes, dims):
+  """Operand ``j``'s cotangent: per-device partials sent in half.
+
+  A ``shard_map`` over ``axes`` (the batch split over every device): each
+  device computes its partial cotangent from its slice of the batch in
+  fp32, sends it in the product's half dtype by one all-to-all, adds the
+  chunks it receives in fp32, and returns its chunk; GSPMD lays the chunks
+  out as the gradient's sharding asks (an all-gather in half, or none).
+  """
+  k = 1 - j
+  wire_dtype = jnp.dtype(cast[j].dtype)
+  if wire_dtype not in wire.HALF:
+    wire_dtype = jnp.dtype(g.dtype)
+  local_updates = dict(updates)
+  if "out_sharding" in ji.params(eqn):
+    local_updates["out_sharding"] = None
+  shape = cast[j].shape
+  P = jax.sharding.PartitionSpec
+
+  def body(other, gl):
+    ops = [None, None]
+    ops[k] = other
+    ops[j] = _varying(jnp.zeros(shape, cast[j].dtype), axes)
+    partial = _cotangent(eqn, local_updates, ops, gl, j, wide_out=True)
+    return wire.half_wire_chunks(partial, axes, wire_dtype).astype(wire_dtype)
+
+  in_specs = (_spec(cast[k].ndim, dims[0], axes), _spec(g.ndim, dims[1], axes))
+  other, gg = cast[k], g
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  if any(t == explicit for t in getattr(mesh, "axis_types", ())):
+    other = jax.sharding.reshard(other, in_specs[0])
+    gg = jax.sharding.reshard(gg, in_specs[1])
+  chunks = jax.shard_map(
+    body, mesh=mesh, in_specs=in_specs, out_specs=P(axes), axis_names=set(axes)
+  )(other, gg)
+  size = 1
+  for s in shape:
+    size *= s
+  # Laid out (and resharded, where the gradient's sharding asks) in half.
+  return chunks[:size].reshape(shape)
+
+
+def summed_in_fp32(eqn, invals):
+  """``eqn`` (a broadcast or a gather of a half weight), summed back in fp32.
+
+  The transpose of a broadcast sums over what it broadcast (a bias's or a
+  norm scale's gradient, over the batch); a gather's scatter-adds (an
+  embedding's). Both run on the fp32 cotangent, so a cross-device sum at
+  their output runs in fp32; the result is rounded to the weight's dtype.
+  """
+  x, rest = invals[0], list(invals[1:])
+  dtype = x.dtype
+
+  @jax.custom_vjp
+  def op(x):
+    return ji.bind(eqn, [x, *rest])[0]
+
+  def op_fwd(x):
+    return op(x), None
+
+  def op_bwd(_, g):
+    wide = x.astype(wire.F32)
+    linear = lambda t: ji.bind(eqn, [t, *rest])[0]
+    (ct,) = jax.vjp(linear, wide)[1](g.astype(wire.F32))
+    return (ct.astype(dtype),)
+
+  op.defvjp(op_fwd, op_bwd)
+  return op(x)
+
+
+def broadcast_summed_in_fp32(x, shape):
+  """``x`` broadcast to ``shape`` (its size-1 dims), summed back in fp32.
+
+  For an elementwise op that broadcasts a half weight itself (``h + b``
+  with ``b`` of shape ``(1, d)``): its transpose would sum the cotangent
+  over the batch in half.
+  """
+  dtype = x.dtype
+  axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if a != b)
+
+  @jax.custom_vjp
+  def op(x):
+    return jnp.broadcast_to(x, shape)
+
+  def op_fwd(x):
+    return op(x), None
+
+  def op_bwd(_, g):
+    summed = jnp.sum(g.astype(wire.F32), axis=axes, keepdims=True)
+    return (summed.astype(dtype),)
+
+  op.defvjp(op_fwd, op_bwd)
+  return op(x)
