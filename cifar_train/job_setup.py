@@ -444,6 +444,7 @@ def compile_steps(
       compute_dtype=precision.compute_dtype,
       label_smoothing=job.settings.label_smoothing,
       faults=job.faults,
+      grad_reduce=precision.grad_reduce,
     )
   )
   if eval_source is None:

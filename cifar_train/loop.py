@@ -345,6 +345,7 @@ def train(
       job, state = settle_precision(job, state, source, resumed)
       step_fn, eval_run = compile_steps(job, source, eval_source)
     reporter = resources.enter_context(_open_reporter(workdir, job, state))
+    reporter.log_grad_reduce(job.precision.grad_reduce)
     train = {"loss": float("nan"), "accuracy": float("nan")}
     test = None
     step = int(state.step)

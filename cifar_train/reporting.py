@@ -223,6 +223,20 @@ class Reporter:
     if self._tb is not None:
       self._tb.add_text("skipped", line, step)
 
+  def log_grad_reduce(self, mode: str) -> None:
+    """The start-up line: how gradients are summed across the devices."""
+    if not self.is_main:
+      return
+    how = {
+      "fp32": "in fp32",
+      "half_wire": "in half precision on the wire, added in fp32",
+      "native": "in the dtype of each product (XLA's choice)",
+    }[mode]
+    self._write_line(
+      f"Gradients summed across {self.num_devices} device(s) {how} "
+      f"(grad_reduce={mode})"
+    )
+
   def _write_line(self, line: str) -> None:
     if self._bar is not None:
       self._bar.write(line)

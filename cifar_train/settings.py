@@ -31,6 +31,8 @@ MASTER_WEIGHTS = {
 }
 # config.optimizer_state ("" = "fp32") -> jaxmp.StateQuantization's kind.
 OPTIMIZER_STATES = ("fp32", "bf16", "int8")
+# config.grad_reduce -> jaxmp's grad_reduce (autocast, value_and_grad).
+GRAD_REDUCE = ("fp32", "half_wire", "native")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,8 @@ class Precision:
       ``jaxmp.autocast``; ``None`` for the hand-cast presets.
     autocast_debug: autocast's ``debug=True`` (``config.diagnostics``):
       report the first op whose half output overflowed.
+    grad_reduce: how weight gradients are summed across devices
+      (``jaxmp.autocast``'s and ``jaxmp.value_and_grad``'s ``grad_reduce``).
   """
 
   name: str
@@ -73,6 +77,7 @@ class Precision:
   calibrate: bool = False
   autocast: Any = None
   autocast_debug: bool = False
+  grad_reduce: str = "fp32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +189,18 @@ def resolve_precision(config: ml_collections.ConfigDict) -> Precision:
     calibrate=calibrate,
     autocast=preset.autocast,
     autocast_debug=preset.autocast is not None and bool(config.diagnostics),
+    grad_reduce=_grad_reduce(config),
   )
+
+
+def _grad_reduce(config) -> str:
+  """``config.grad_reduce``, checked ("fp32" where the config has none)."""
+  mode = config.get("grad_reduce", "fp32")
+  if mode not in GRAD_REDUCE:
+    raise ConfigError(
+      f"unknown grad_reduce {mode!r}; valid: {', '.join(GRAD_REDUCE)}"
+    )
+  return mode
 
 
 def _optimizer_state(config) -> jaxmp.StateQuantization:

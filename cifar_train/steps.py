@@ -52,16 +52,28 @@ class AutocastModel:
   ``init`` and every other attribute are the model's own.
   """
 
-  def __init__(self, model: models.ResNet, dtype: Any, debug: bool = False):
+  def __init__(
+    self,
+    model: models.ResNet,
+    dtype: Any,
+    debug: bool = False,
+    grad_reduce: str = "fp32",
+  ):
     self.model = model
     self.autocast_dtype = dtype
     self.autocast_debug = debug
-    self.apply = jaxmp.autocast(model.apply, dtype, debug=debug)
+    self.grad_reduce = grad_reduce
+    self.apply = jaxmp.autocast(
+      model.apply, dtype, debug=debug, grad_reduce=grad_reduce
+    )
 
   def clone(self, **updates: Any) -> "AutocastModel":
     """``model.clone(**updates)``, still under autocast."""
     return AutocastModel(
-      self.model.clone(**updates), self.autocast_dtype, self.autocast_debug
+      self.model.clone(**updates),
+      self.autocast_dtype,
+      self.autocast_debug,
+      self.grad_reduce,
     )
 
   def __getattr__(self, name: str) -> Any:
@@ -96,7 +108,10 @@ def create_model(
   if precision.autocast is None:
     return model
   return AutocastModel(
-    model, precision.autocast, debug=precision.autocast_debug
+    model,
+    precision.autocast,
+    debug=precision.autocast_debug,
+    grad_reduce=precision.grad_reduce,
   )
 
 
@@ -384,6 +399,7 @@ def make_train_step(
   compute_dtype: Any,
   label_smoothing: float = 0.0,
   faults: faults_lib.Faults = faults_lib.Faults(),
+  grad_reduce: str = "fp32",
 ) -> TrainStep:
   """Returns ``train_step(state, images, labels, metrics) -> (state, metrics)``.
 
@@ -391,6 +407,8 @@ def make_train_step(
   ``loss_sum``, ``correct`` and ``count`` on the device (`zero_metrics`).
   The unscaled loss goes to the optimizer (``loss=``): a NaN/inf loss skips
   the step without backing off the loss scale. ``faults`` are test knobs.
+  ``grad_reduce``: how half params' gradients are summed across devices
+  (`jaxmp.value_and_grad`; an O1 model's autocast has its own).
   """
   loss_fn = make_loss_fn(
     model, compute_dtype=compute_dtype, label_smoothing=label_smoothing
@@ -400,7 +418,7 @@ def make_train_step(
     images = faults_lib.corrupt_images(faults, state.step, images)
 
     (loss, (logits, new_vars)), grads = jaxmp.value_and_grad(
-      loss_fn, has_aux=True
+      loss_fn, has_aux=True, grad_reduce=grad_reduce
     )(state.params, state.opt_state, state.batch_stats, images, labels)
     grads = faults_lib.corrupt_grads(faults, state.step, grads)
     updates, opt_state = optimizer.update(

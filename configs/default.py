@@ -45,6 +45,10 @@ def get_config() -> ml_collections.ConfigDict:
   # fp32. jaxmp.StateQuantization.
   config.optimizer_state = ""
   config.optimizer_state_min_size = 4096
+  # How the weight gradients are summed across devices: "fp32" (the sums in
+  # fp32), "half_wire" (half precision on the wire, fp32 adds: half the
+  # bytes) or "native" (XLA's choice: the sums in the half dtype).
+  config.grad_reduce = "fp32"
   # Dynamic loss scaling (used when the preset asks for it). The initial
   # scale is a number, or "auto": calibrated on the first batch with
   # jaxmp.calibrate_loss_scale (O1/O2 only; a resumed run keeps its scale).

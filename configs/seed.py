@@ -34,6 +34,9 @@ def get_config():
   config.augment = False
   # The Apex script drops no step for a spike.
   config.spike_skip_window = 0
+  # Gradients summed across devices in fp32 (the default, spelled out): as
+  # torch DDP sums the fp32 gradients of an autocast model.
+  config.grad_reduce = "fp32"
   # The default, spelled out: the split on the GPU when it fits, k steps a
   # call where the step is short.
   config.data_on_device = "auto"

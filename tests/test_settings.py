@@ -34,6 +34,7 @@ def test_every_config_key_becomes_a_setting():
     "master_weights",
     "optimizer_state",
     "optimizer_state_min_size",
+    "grad_reduce",
   }
   spike_keys = {"spike_skip_window", "spike_skip_factor"}  # -> skip_spikes
   assert set(config.keys()) - precision_keys - spike_keys == fields - {

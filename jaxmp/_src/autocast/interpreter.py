@@ -256,6 +256,8 @@ class Interpreter:
       name = ji.call_name(eqn)
       if rules.NO_AUTOCAST_MARK in name or rules.AUTOCAST_MARK in name:
         return _as_traced(eqn, invals), False
+      if self.natural and rules.GRAD_REDUCE_MARK in name:
+        return _as_traced(eqn, invals), False  # Rewritten already.
       if sink is not None:
         return (
           self.run(ji.params(eqn)["jaxpr"], invals, inweak, sink, ins),

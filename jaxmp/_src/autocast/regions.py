@@ -390,5 +390,5 @@ def reducing_in_fp32(fun: Callable, grad_reduce: str) -> Callable:
     weak = [ji.typeof(x).weak_type for x in dyn]
     return interp.run(traced, dyn, weak)
 
-  name = f"jaxmp_grad_reduce_{grad_reduce}"
+  name = f"{rules.GRAD_REDUCE_MARK}_{grad_reduce}"
   return _wrap(fun, _Region(fun, name, impl, caller="jaxmp.value_and_grad"))

@@ -152,6 +152,9 @@ AUTOCAST_MARK = "jaxmp_autocast"
 #: ``batch_norm`` on cudnn returns its input's dtype.
 NORMALIZATION_MARK = "jaxmp_normalization"
 NO_AUTOCAST_MARK = "jaxmp_no_autocast"
+#: A ``jit`` by this name is `regions.reducing_in_fp32`'s: its body's weight
+#: gradients are summed as asked already.
+GRAD_REDUCE_MARK = "jaxmp_grad_reduce"
 
 
 def castable(dtype) -> bool:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxmp._src.autocast import regions as autocast_lib
+from jaxmp._src.reduction import wire
 from jaxmp._src.transform import mixed_precision as mp
 from jaxmp._src.presets import policy as policy_lib
 
@@ -46,7 +47,9 @@ def _is_mutable_call(kwargs: dict[str, Any]) -> bool:
 
 
 def _patch_forward(
-  apply_fn: Callable[..., Any], preset: policy_lib.Preset
+  apply_fn: Callable[..., Any],
+  preset: policy_lib.Preset,
+  grad_reduce: str = "fp32",
 ) -> Callable[..., Any]:
   """``apply_fn`` as Apex's ``amp.initialize`` patches ``model.forward``.
 
@@ -59,11 +62,17 @@ def _patch_forward(
   statistics) keep their dtypes. With ``preset.autocast`` set (O1), the
   function runs under ``jaxmp.autocast(apply_fn, preset.autocast)``.
   Integer, bool and non-array arguments (``train=True``) pass unchanged.
+  The weight gradients' cross-device sums follow ``grad_reduce``: under
+  autocast by its own, with half params by `autocast_lib.reducing_in_fp32`.
   """
   policy = preset.policy
   fun = apply_fn
   if preset.autocast is not None:
-    fun = autocast_lib.autocast(apply_fn, preset.autocast)
+    fun = autocast_lib.autocast(
+      apply_fn, preset.autocast, grad_reduce=grad_reduce
+    )
+  elif grad_reduce != "native" and jnp.dtype(policy.param_dtype) in wire.HALF:
+    fun = autocast_lib.reducing_in_fp32(apply_fn, grad_reduce)
 
   @functools.wraps(apply_fn)
   def forward(variables, *args, **kwargs):
@@ -83,6 +92,7 @@ def initialize(
   *,
   apply_fn: Optional[Callable[..., Any]] = None,
   keep_fp32: Optional[Callable[[tuple[Union[str, int], ...]], bool]] = None,
+  grad_reduce: str = "fp32",
   **overrides: Any,
 ) -> Union[
   tuple[optax.Params, optax.GradientTransformationExtraArgs],
@@ -124,6 +134,10 @@ def initialize(
       with a key that contains ``"norm"`` (any case: Flax's ``BatchNorm_0``,
       ``LayerNorm_0``, ``GroupNorm_0``) or a ``bn`` token (``bn1``,
       ``downsample_bn``).
+    grad_reduce: how the patched forward's weight gradients are summed
+      across devices: ``"fp32"`` (default), ``"half_wire"`` or ``"native"``
+      (`jaxmp.autocast`'s argument; with half params, the same for their
+      products, broadcasts and gathers).
     **overrides: keyword arguments of `jaxmp.mixed_precision` that replace the
       preset's (``loss_scale``, ``master_weights``) or add to them
       (``max_loss_scale``, ``hysteresis``, ``axis_name``).
@@ -157,6 +171,7 @@ def initialize(
   >>> "f16[2,3] = dot_general" in str(jaxpr)  # the product in fp16
   True
   """
+  grad_reduce = wire.check_mode(grad_reduce, "jaxmp.initialize")
   if apply_fn is not None and not callable(apply_fn):
     raise TypeError(
       f"apply_fn must be the model's forward function, got {apply_fn!r}"
@@ -184,4 +199,4 @@ def initialize(
   optimizer = mp.mixed_precision(optimizer, **kwargs)
   if apply_fn is None:
     return params, optimizer
-  return _patch_forward(apply_fn, preset), params, optimizer
+  return _patch_forward(apply_fn, preset, grad_reduce), params, optimizer
