@@ -445,6 +445,7 @@ def compile_steps(
       label_smoothing=job.settings.label_smoothing,
       faults=job.faults,
       grad_reduce=precision.grad_reduce,
+      mesh=job.mesh,
     )
   )
   if eval_source is None:

@@ -400,6 +400,7 @@ def make_train_step(
   label_smoothing: float = 0.0,
   faults: faults_lib.Faults = faults_lib.Faults(),
   grad_reduce: str = "fp32",
+  mesh: Optional[jax.sharding.Mesh] = None,
 ) -> TrainStep:
   """Returns ``train_step(state, images, labels, metrics) -> (state, metrics)``.
 
@@ -408,13 +409,15 @@ def make_train_step(
   The unscaled loss goes to the optimizer (``loss=``): a NaN/inf loss skips
   the step without backing off the loss scale. ``faults`` are test knobs.
   ``grad_reduce``: how half params' gradients are summed across devices
-  (`jaxmp.value_and_grad`; an O1 model's autocast has its own).
+  (`jaxmp.value_and_grad`; an O1 model's autocast has its own). Under
+  ``"half_wire"`` the step is traced with ``mesh`` as its abstract mesh:
+  the half-wire sums run over its devices.
   """
   loss_fn = make_loss_fn(
     model, compute_dtype=compute_dtype, label_smoothing=label_smoothing
   )
 
-  def train_step(state: TrainState, images, labels, metrics):
+  def one_step(state: TrainState, images, labels, metrics):
     images = faults_lib.corrupt_images(faults, state.step, images)
 
     (loss, (logits, new_vars)), grads = jaxmp.value_and_grad(
@@ -449,6 +452,12 @@ def make_train_step(
       batch_stats=batch_stats,
       opt_state=opt_state,
     ), new_metrics
+
+  def train_step(state: TrainState, images, labels, metrics):
+    if grad_reduce != "half_wire" or mesh is None:
+      return one_step(state, images, labels, metrics)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return one_step(state, images, labels, metrics)
 
   return train_step
 

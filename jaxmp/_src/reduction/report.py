@@ -189,6 +189,9 @@ def reduction_report(fn: Callable, *args: Any, **kwargs: Any):
   """
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   lowered = jitted.lower(*args, **kwargs)
+  # The module's name: the dump may hold other programs compiled meanwhile.
+  found = re.search(r"module @([\w.\-]+)", lowered.as_text())
+  name = found.group(1) if found else ""
   # A persistent-cache hit would skip XLA's passes, and with them the dump.
   cached = jax.config.jax_enable_compilation_cache
   with tempfile.TemporaryDirectory(prefix="jaxmp_reduction_") as tmp:
@@ -198,16 +201,17 @@ def reduction_report(fn: Callable, *args: Any, **kwargs: Any):
         compiler_options={
           "xla_dump_to": tmp,
           "xla_dump_hlo_pass_re": "spmd-partitioning",
+          "xla_dump_hlo_module_re": re.escape(name) if name else ".*",
         }
       )
     finally:
       jax.config.update("jax_enable_compilation_cache", cached)
     dumps = sorted(
-      glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt"))
+      glob.glob(os.path.join(tmp, f"*.{name}.*after_spmd-partitioning*.txt"))
     )
     text = ""
     if dumps:
-      with open(dumps[0]) as f:
+      with open(dumps[-1]) as f:
         text = f.read()
   n = max(1, len(jax.devices()))
   return ReductionReport(tuple(_parse(text, n)))
