@@ -154,8 +154,13 @@ def test_stochastic_rounding_is_unbiased_and_one_step_wide():
   x = np.repeat(cases, -(-64 // len(cases)))[:64, None].astype(np.float32)
   x = np.repeat(x, 256, 1)
   x[:, 0] = 1.0  # absmax 1: 0.3 codes as 76.8, between 72 and 80.
-  e = jax.jit(lambda x: state_codec.encode_int8(x, 256, True))(x)
-  dec = np.asarray(state_codec.decode(e))[:, 1:]
+  # And 8 rows (blocks) spanning 8 decades each, for the sign and the bound.
+  y = np.random.default_rng(4).normal(size=(8, 256)).astype(np.float32)
+  y *= 10.0 ** np.random.default_rng(5).uniform(-8, 0, y.shape)
+  blocks = np.concatenate([x, y])
+  e = jax.jit(lambda x: state_codec.encode_int8(x, 256, True))(blocks)
+  dec, z = np.split(np.asarray(state_codec.decode(e)), [64])
+  dec = dec[:, 1:]
   for case in cases.astype(np.float32):
     rows = x[:, 1] == case
     lo, hi = _f8_neighbours(np.float64(case) * 256)
@@ -164,13 +169,10 @@ def test_stochastic_rounding_is_unbiased_and_one_step_wide():
     72 / 256,
     80 / 256,
   }
-  # Deterministic: the same input rounds the same way.
-  again = jax.jit(lambda x: state_codec.encode_int8(x, 256, True))(x)
+  # Deterministic: the same input rounds the same way (compiled again).
+  again = jax.jit(lambda x: state_codec.encode_int8(x, 256, True))(blocks)
   np.testing.assert_array_equal(again.data, e.data)
-  # And never to zero, nor to the wrong sign.
-  y = np.random.default_rng(4).normal(size=(8, 256)).astype(np.float32)
-  y *= 10.0 ** np.random.default_rng(5).uniform(-8, 0, y.shape)
-  z = np.asarray(state_codec.decode(state_codec.encode_int8(y, 256, True)))
+  # Never to zero, nor to the wrong sign, and within one step.
   assert np.all(np.sign(z) == np.sign(y))
   step = np.maximum(2.0**-3 * np.abs(y), 2.0**-17 * np.abs(y).max(1)[:, None])
   assert np.all(np.abs(z - y) <= step)
