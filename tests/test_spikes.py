@@ -6,6 +6,15 @@ mean + factor * std (population) of the last ``window`` accepted values; no
 step is dropped before that window has filled; dropped and overflowed steps
 enter no window. The runs plant spikes in the loss only, in the gradient norm
 only, both, one before the windows fill, and an overflow.
+
+The reference also runs the loss-scale rule and every counter beside it (a
+spike leaves them as they were), so that shorter runs can take the rule's
+edges from a fresh state: the window one step short of full, a finite step
+whose fp32 norm is inf while the window fills, overflows and NaN losses
+inside runs of spikes with hysteresis, a spike on the step that would grow
+the scale. Under ``pmap`` and ``shard_map`` every way devices can disagree:
+per-device gradients without ``pmean``, leaves that vary over some of
+several axis names.
 """
 
 import functools

@@ -2,9 +2,11 @@
 
 The 8-bit code against a numpy reference (``ml_dtypes``' float8_e4m3fn
 casts, written out block by block), its error bound per block, its corner
-cases; then the codec inside `jaxmp.mixed_precision`: which leaves it
-encodes, their bytes, a skipped step, a checkpoint, and Adam, SGD momentum,
-Lion and Adafactor on a small regression task against fp32 state.
+cases, stochastic rounding's bias (float8 subnormals included); then the
+codec inside `jaxmp.mixed_precision`: the rounding its step encodes with,
+which leaves it encodes, their bytes, a skipped step, a checkpoint, and
+Adam, SGD momentum, Lion and Adafactor on a small regression task against
+fp32 state.
 """
 
 import functools
