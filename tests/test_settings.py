@@ -310,6 +310,22 @@ def test_spike_skipping_is_off_by_default(module):
   assert settings.resolve(module.get_config()).skip_spikes is None
 
 
+@pytest.mark.parametrize("module", [default, seed, fp32, bf16, smoke])
+def test_spike_skipping_turned_on_by_its_window_alone_uses_factor_six(module):
+  """The documented switch: ``--config.spike_skip_window=128`` alone.
+
+  The factor it gets is 6, OLMo's and MaxText's, and `jaxmp.SpikeSkip`'s
+  own default: no config changes it.
+  """
+  config = module.get_config()
+  assert config.spike_skip_factor == 6.0
+  config.spike_skip_window = 128
+  assert settings.resolve(config).skip_spikes == jaxmp.SpikeSkip(
+    window=128, factor=6.0
+  )
+  assert jaxmp.SpikeSkip(window=128) == jaxmp.SpikeSkip(128, 6.0)
+
+
 def test_spike_skip_config_reaches_the_optimizer():
   import optax  # pylint: disable=g-import-not-at-top
 

@@ -6,6 +6,15 @@ mean + factor * std (population) of the last ``window`` accepted values; no
 step is dropped before that window has filled; dropped and overflowed steps
 enter no window. The runs plant spikes in the loss only, in the gradient norm
 only, both, one before the windows fill, and an overflow.
+
+The reference also runs the loss-scale rule and every counter beside it (a
+spike leaves them as they were), so that shorter runs can take the rule's
+edges from a fresh state: the window one step short of full, a finite step
+whose fp32 norm is inf while the window fills, overflows and NaN losses
+inside runs of spikes with hysteresis, a spike on the step that would grow
+the scale. Under ``pmap`` and ``shard_map`` every way devices can disagree:
+per-device gradients without ``pmean``, leaves that vary over some of
+several axis names.
 """
 
 import functools
@@ -40,37 +49,144 @@ PLANTS = {
 }
 
 
-def reference(losses, norms, window, factor, kept=None):
+def reference(
+  losses,
+  norms,
+  window,
+  factor,
+  kept=None,
+  grads_finite=None,
+  scaler=None,
+  trace=None,
+):
   """The rule in float64: per step "spike", "overflow" or None (applied).
 
-  ``losses`` holds None where no loss is given. Also returns the smallest
-  relative distance of a judged value to its threshold, so a test can check
-  that fp32 rounding cannot flip any decision. ``kept`` (a dict) receives
-  the accepted values, ``{"loss": [...], "norm": [...]}``.
+  ``losses`` holds None where no loss is given. ``norms`` are the global
+  gradient norms as the step computes them, in fp32: inf where the squares
+  overflow fp32 even though every gradient is finite. ``grads_finite`` says
+  which steps had finite gradients (default: those with a finite norm); a
+  step skipped for a non-finite gradient or loss is an "overflow". A step
+  with finite gradients but an inf norm is judged on that inf (a spike once
+  the window is full); applied, it enters the loss window but not the norm
+  window. Also returns the smallest relative distance of a judged value to
+  its threshold, so a test can check that fp32 rounding cannot flip any
+  decision. ``kept`` (a dict) receives the accepted values, ``{"loss":
+  [...], "norm": [...]}``.
+
+  ``scaler``, a ``(LossScaleConfig, initial scale)``, runs the loss-scale
+  rule beside it; ``trace`` (a list) then receives each step's counters
+  after it (`_counters`' keys): the rule of `jaxmp.adjust_loss_scale`, with
+  what spikes change: a spike leaves the scale, its growth counter and the
+  overflow counters as they were; a skipped step (non-finite) neither
+  counts in nor ends a run of spikes; an applied step ends it.
   """
   kept = {"loss": [], "norm": []} if kept is None else kept
   kept.update(loss=[], norm=[])
+  if grads_finite is None:
+    grads_finite = [bool(np.isfinite(n)) for n in norms]
+  if scaler is not None:
+    config, scale = scaler
+    counters = dict.fromkeys(_COUNTERS, 0)
+    counters["loss_scale"] = float(scale)
   out, margin = [], np.inf
-  for loss, norm in zip(losses, norms):
-    if not np.isfinite(norm) or (loss is not None and not np.isfinite(loss)):
-      out.append("overflow")  # Skipped for a non-finite value.
-      continue
+  for loss, norm, finite in zip(losses, norms, grads_finite, strict=True):
+    loss_finite = loss is None or bool(np.isfinite(loss))
     spike = False
     for key, value in (("loss", loss), ("norm", norm)):
+      if not (finite and loss_finite):
+        break  # Skipped for a non-finite value: not judged.
       if value is None or len(kept[key]) < window:
         continue
       last = np.asarray(kept[key][-window:], np.float64)
       threshold = last.mean() + factor * last.std()
       margin = min(margin, abs(value - threshold) / abs(threshold))
       spike |= value > threshold
-    if spike:
-      out.append("spike")
-      continue
-    out.append(None)
-    kept["norm"].append(norm)
-    if loss is not None:
-      kept["loss"].append(loss)
+    if not (finite and loss_finite):
+      out.append("overflow")
+    else:
+      out.append("spike" if spike else None)
+    if out[-1] is None:
+      if np.isfinite(norm):  # An inf norm would poison the window.
+        kept["norm"].append(norm)
+      if loss is not None:
+        kept["loss"].append(loss)
+    if scaler is not None:
+      _scale_rule(config, counters, out[-1], finite, loss, window, kept)
+      trace.append(dict(counters))
   return out, margin
+
+
+_COUNTERS = (
+  "loss_scale",
+  "growth_counter",
+  "consecutive_overflows",
+  "skipped_steps",
+  "nonfinite_loss_steps",
+  "consecutive_nonfinite_loss",
+  "spike_skips",
+  "consecutive_spike_skips",
+  "norm_count",
+  "loss_count",
+)
+
+
+def _scale_rule(config, c, outcome, grads_finite, loss, window, kept):
+  """``c``, the counters, after one step of `reference` (in place)."""
+  if outcome == "spike":  # The loss-scale rule never sees it.
+    c["spike_skips"] += 1
+    c["consecutive_spike_skips"] += 1
+    return
+  if outcome is None:
+    c["consecutive_spike_skips"] = 0
+  count = lambda n: n if n < 2 * window else (n - window) % window + window
+  c["norm_count"] = count(len(kept["norm"]))
+  c["loss_count"] = count(len(kept["loss"]))
+  c["skipped_steps"] += outcome == "overflow"
+  if loss is not None:
+    if not np.isfinite(loss):  # Nor does it see a non-finite loss.
+      c["nonfinite_loss_steps"] += 1
+      c["consecutive_nonfinite_loss"] += 1
+      return
+    c["consecutive_nonfinite_loss"] = 0
+  if grads_finite:
+    c["consecutive_overflows"] = 0
+    c["growth_counter"] += 1
+    if config.kind == "dynamic" and c["growth_counter"] >= config.period:
+      c["growth_counter"] = 0
+      grown = np.float32(c["loss_scale"] * config.factor)
+      if np.isfinite(grown):
+        c["loss_scale"] = min(float(grown), config.max_loss_scale)
+    return
+  c["growth_counter"] = 0
+  c["consecutive_overflows"] += 1
+  if config.kind == "dynamic" and (
+    c["consecutive_overflows"] >= config.hysteresis
+  ):
+    c["loss_scale"] = max(
+      c["loss_scale"] / config.factor, config.min_loss_scale
+    )
+
+
+def _counters(state):
+  """The counters of a state that `reference`'s ``trace`` follows."""
+  spikes = state.spikes
+  values = (
+    state.loss_scale,
+    state.growth_counter,
+    state.consecutive_overflows,
+    state.skipped_steps,
+    state.nonfinite_loss_steps,
+    state.consecutive_nonfinite_loss,
+    spikes.spike_skips,
+    spikes.consecutive_spike_skips,
+    spikes.norm_count,
+    spikes.loss_count,
+  )
+  values = jax.device_get(values)
+  return {
+    k: float(v) if k == "loss_scale" else int(v)
+    for k, v in zip(_COUNTERS, values)
+  }
 
 
 def _series(seed=0, steps=STEPS, plants=PLANTS):
@@ -142,11 +258,12 @@ def _ring(kept, window):
   return ring
 
 
-def _run(with_loss, seed=0, kept=None):
+def _run(with_loss, seed=0, kept=None, trace=None):
   """Runs the planted series; returns per-step records and the reference."""
   opt = _opt()
   params = _params()
   state = opt.init(params)
+  scaler = (state.config, float(state.loss_scale))
   step = jax.jit(opt.update)
   losses, grads = _series(seed)
   records, seen_losses, seen_norms = [], [], []
@@ -160,15 +277,17 @@ def _run(with_loss, seed=0, kept=None):
     new_params = optax.apply_updates(params, updates)
     records.append((params, state, new_params, new_state))
     params, state = new_params, new_state
-  expected, margin = reference(seen_losses, seen_norms, WINDOW, FACTOR, kept)
+  expected, margin = reference(
+    seen_losses, seen_norms, WINDOW, FACTOR, kept, scaler=scaler, trace=trace
+  )
   return records, expected, margin
 
 
 @pytest.mark.invariant
 @pytest.mark.parametrize("with_loss", [True, False])
 def test_dropped_steps_match_numpy_reference_and_roll_back(with_loss):
-  kept = {}
-  records, expected, margin = _run(with_loss, kept=kept)
+  kept, trace = {}, []
+  records, expected, margin = _run(with_loss, kept=kept, trace=trace)
   assert margin > 1e-4  # No decision is within fp32 rounding of its line.
   spikes = {t for t, e in enumerate(expected) if e == "spike"}
   # The planted spikes are there: the loss-only ones only with the loss.
@@ -186,11 +305,8 @@ def test_dropped_steps_match_numpy_reference_and_roll_back(with_loss):
       assert _equal(new_params, params), t
       assert _equal(new.inner_state, old.inner_state), t
       assert _equal(new.master_params, old.master_params), t
-    if expected[t] == "spike":
-      # The loss scale and its counters are left as they were.
-      assert float(new.loss_scale) == float(old.loss_scale), t
-      assert int(new.growth_counter) == int(old.growth_counter), t
-      assert int(new.consecutive_overflows) == int(old.consecutive_overflows)
+    # The loss scale and every counter, as the reference runs them.
+    assert _counters(new) == trace[t], t
   assert got == expected
   final = jax.device_get(jaxmp.stats(records[-1][3]))
   assert final["spike_skips"] == len(spikes)
@@ -209,6 +325,112 @@ def test_dropped_steps_match_numpy_reference_and_roll_back(with_loss):
   count = lambda n: n if n < 2 * WINDOW else (n - WINDOW) % WINDOW + WINDOW
   assert int(windows.norm_count) == count(len(kept["norm"]))
   assert int(windows.loss_count) == count(len(kept["loss"]))
+
+
+# Runs from a fresh state, each a list of unscaled gradient norms (inf: an
+# inf gradient) and, where given, losses (nan: a NaN loss). One optimizer,
+# one compiled step for all: window 4, period 5, hysteresis 2.
+EDGES = {
+  # The window one short of full judges nothing: the 3 is applied. Full, it
+  # drops the 30 (and the 5th finite step grows the scale).
+  "one_short": ([1.0, 1.1, 0.9, 3.0, 1.0, 1.05, 30.0], None),
+  # A spike on the 5th finite step: no growth. Then overflow, spike,
+  # overflow: the overflows count 1, 1, 2 (and back off, hysteresis 2), the
+  # spikes 1, 1, 2 (check_health sees a run of 2); an applied step ends it.
+  "spikes_and_overflows": (
+    [1.0, 1.1, 0.9, 1.05, 5.0, np.inf, 5.0, np.inf, 1.0, 5.0],
+    None,
+  ),
+  # Finite 1e20 gradients whose squares overflow fp32: an inf norm. While
+  # the window fills it is applied (its loss enters the loss window) and
+  # kept out of the norm window; once full, it is a spike. A NaN loss
+  # between two spikes neither counts in nor ends their run.
+  "nonfinite_norm": (
+    [1.0, 1e20, 1.1, 0.9, 1.05, 5.0, 1e20, 1.0, 5.0, 1.0],
+    [1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.0, np.nan, 1.01, 0.99],
+  ),
+}
+
+
+@functools.cache
+def _edge_step():
+  opt = jaxmp.mixed_precision(
+    optax.sgd(0.1),
+    loss_scale=dynamic_loss_scale(
+      2.0**10, period=5, factor=2, min_loss_scale=1.0
+    ),
+    hysteresis=2,
+    skip_spikes=jaxmp.SpikeSkip(window=4, factor=FACTOR),
+  )
+  return opt, jax.jit(opt.update)
+
+
+def _fp32_norm(g):
+  """The norm as the step computes it: inf once fp32's squares overflow."""
+  sq = np.sum(np.square(g.astype(np.float64)))
+  return np.inf if sq > np.finfo(np.float32).max else np.sqrt(sq)
+
+
+@pytest.mark.parametrize("name", sorted(EDGES))
+def test_edges_of_the_window_and_the_loss_scale_match_the_reference(name):
+  norms, losses = EDGES[name]
+  opt, step = _edge_step()
+  params = {"w": jnp.ones(4, jnp.float32)}
+  state = opt.init(params)
+  scaler = (state.config, float(state.loss_scale))
+  got, counters, seen, finite = [], [], [], []
+  for t, norm in enumerate(norms):
+    g = np.full(4, 0.5 * norm, np.float32)  # Norm `norm`; inf: all inf.
+    seen.append(_fp32_norm(g))
+    finite.append(bool(np.isfinite(g).all()))
+    scaled = {"w": jnp.asarray(g * np.float32(state.loss_scale))}
+    kw = {} if losses is None else {"loss": jnp.float32(losses[t])}
+    _, new = step(scaled, state, params, **kw)
+    overflow = int(new.skipped_steps) > int(state.skipped_steps)
+    applied = bool(new.step_applied)
+    got.append(None if applied else ("overflow" if overflow else "spike"))
+    counters.append(_counters(new))
+    if name == "spikes_and_overflows" and t == 6:
+      # Spike, overflow, spike: a run of 2 spikes.
+      with pytest.raises(jaxmp.SpikeStallError, match=r"steps 6\.\.7 \(2 in"):
+        jaxmp.check_health(new, step=t + 1, max_consecutive_skips=2)
+    state = new
+  kept, trace = {}, []
+  expected, margin = reference(
+    [None] * len(norms) if losses is None else losses,
+    seen,
+    4,
+    FACTOR,
+    kept,
+    grads_finite=finite,
+    scaler=scaler,
+    trace=trace,
+  )
+  assert margin > 1e-4
+  assert got == expected
+  for t, (c, want) in enumerate(zip(counters, trace, strict=True)):
+    diff = {k: (v, want[k]) for k, v in c.items() if v != want[k]}
+    assert not diff, f"step {t} (got, reference): {diff}"
+  np.testing.assert_allclose(
+    state.spikes.norms, _ring(kept["norm"], 4), rtol=1e-6
+  )
+  np.testing.assert_allclose(
+    state.spikes.losses, _ring(kept["loss"], 4), rtol=1e-6
+  )
+  # What each run is there for, in the reference's own terms.
+  if name == "one_short":
+    assert expected[3] is None and expected[6] == "spike"
+  elif name == "spikes_and_overflows":
+    assert expected[4:8] == ["spike", "overflow", "spike", "overflow"]
+    assert trace[4]["growth_counter"] == 4 and trace[4]["loss_scale"] == 2**10
+    assert [c["consecutive_overflows"] for c in trace[5:8]] == [1, 1, 2]
+    assert trace[7]["loss_scale"] == 2**9
+    assert [c["consecutive_spike_skips"] for c in trace[4:9]] == [1, 1, 2, 2, 0]
+  else:
+    assert expected[1] is None and seen[1] == np.inf
+    assert expected[5:9] == ["spike", "spike", "overflow", "spike"]
+    assert trace[8]["consecutive_spike_skips"] == 3
+    assert trace[4]["loss_count"] == trace[4]["norm_count"] + 1
 
 
 def test_constant_series_is_never_dropped_strictly_above_is():
@@ -591,6 +813,109 @@ def test_pmap_with_axis_name_decides_alike():
   for key, window in windows.items():  # The same on the 4 devices.
     want = np.stack([_ring(kept[key], 6)] * 4)
     np.testing.assert_allclose(window, want, rtol=1e-6)
+
+
+@pytest.mark.devices(4)
+def test_pmap_per_device_gradients_one_device_spiking_decide_alike():
+  """Each device's own gradients, no ``pmean``: the largest norm decides.
+
+  pmap's types cannot say what varies, so the norm is ``pmax``-ed: a spike
+  on one device drops the step on all four, and their windows stay one.
+  """
+  opt = jaxmp.mixed_precision(
+    optax.sgd(0.1),
+    loss_scale=8.0,
+    skip_spikes=jaxmp.SpikeSkip(window=4, factor=FACTOR),
+    axis_name="data",
+  )
+  rep = lambda t: jax.tree.map(lambda x: jnp.stack([x] * 4), t)
+  params = {"w": jnp.ones(4, jnp.float32)}
+  state, params = rep(opt.init(params)), rep(params)
+
+  def step(grads, state, params):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.pmap(step, axis_name="data", devices=jax.devices()[:4])
+  rng = np.random.default_rng(7)
+  w = rng.normal(size=4)
+  sizes = 1.0 + 0.05 * rng.normal(size=(10, 4))  # (step, device)
+  sizes[6, 2] = sizes[8, 0] = 10.0  # One device spikes, then another.
+  got, norms = [], []
+  for size in sizes:
+    g = (size[:, None] * w * 8.0).astype(np.float32)  # Scaled by 8.
+    norms.append(np.sqrt(np.sum((g.astype(np.float64) / 8) ** 2, 1)).max())
+    params, state = step({"w": g}, state, params)
+    flags = np.asarray(state.step_applied)
+    assert flags.all() or not flags.any(), (len(got), flags)
+    got.append(None if flags[0] else "spike")
+  kept = {}
+  expected, margin = reference([None] * 10, norms, 4, FACTOR, kept)
+  assert margin > 1e-4 and got == expected
+  assert expected[6] == expected[8] == "spike"
+  want = np.stack([_ring(kept["norm"], 4)] * 4)
+  np.testing.assert_allclose(state.spikes.norms, want, rtol=1e-6)
+
+
+@pytest.mark.devices(4)
+def test_shard_map_over_two_axis_names_sums_each_leaf_where_it_varies():
+  """A (data, fsdp) mesh with ``axis_name=("data", "fsdp")``.
+
+  ``w`` varies over fsdp only (sharded there, replicated over data), ``u``
+  over data only, ``v`` over both, ``b`` over neither (each data replica's
+  own gradient, ``pmean``-ed): each leaf's squares are summed over the axes
+  it varies over and no other, and the norm is the global one.
+  """
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "fsdp"))
+  opt = jaxmp.mixed_precision(
+    optax.sgd(0.1, momentum=0.9),
+    loss_scale=8.0,
+    skip_spikes=jaxmp.SpikeSkip(window=6, factor=FACTOR),
+    axis_name=("data", "fsdp"),
+  )
+  shapes = {"w": 8, "u": 4, "v": 16, "b": 2}
+  pspecs = {"w": P("fsdp"), "u": P("data"), "v": P(("data", "fsdp")), "b": P()}
+  params = {k: jnp.ones(n, jnp.float32) for k, n in shapes.items()}
+  params["w"] = params["w"].astype(jnp.float16)
+  state = opt.init(params)
+  by_shape = {(shapes[k],): pspecs[k] for k in pspecs}
+  specs = jax.tree.map(lambda x: by_shape.get(x.shape, P()), state)
+
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(pspecs | {"b": P("data")}, specs, pspecs),
+    out_specs=(pspecs, specs),
+  )
+  def step(grads, state, params):
+    grads = grads | {"b": jax.lax.pmean(grads["b"][0], "data")}
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step)
+  rng = np.random.default_rng(8)
+  base = {k: rng.normal(size=n) for k, n in shapes.items()}
+  base["b"] = rng.normal(size=(2, 2))  # One gradient per data replica.
+  got, norms = [], []
+  for t in range(14):
+    size = {k: 1.0 + 0.05 * rng.normal() for k in shapes}
+    if t in (8, 11):  # A spike in one leaf: w, then u.
+      size["w" if t == 8 else "u"] = 8.0
+    g = {k: (base[k] * size[k] * 8.0).astype(np.float32) for k in shapes}
+    g["w"] = g["w"].astype(np.float16)
+    unscaled = {k: x.astype(np.float64) / 8 for k, x in g.items()}
+    unscaled["b"] = unscaled["b"].mean(0)
+    norms.append(np.sqrt(sum(np.sum(x**2) for x in unscaled.values())))
+    params, state = step(g, state, params)
+    got.append(None if bool(state.step_applied) else "spike")
+  kept = {}
+  expected, margin = reference([None] * 14, norms, 6, FACTOR, kept)
+  assert margin > 1e-4
+  assert expected[8] == expected[11] == "spike"
+  assert got == expected
+  np.testing.assert_allclose(
+    state.spikes.norms, _ring(kept["norm"], 6), rtol=1e-6
+  )
 
 
 @pytest.mark.invariant

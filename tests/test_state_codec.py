@@ -2,11 +2,14 @@
 
 The 8-bit code against a numpy reference (``ml_dtypes``' float8_e4m3fn
 casts, written out block by block), its error bound per block, its corner
-cases; then the codec inside `jaxmp.mixed_precision`: which leaves it
-encodes, their bytes, a skipped step, a checkpoint, and Adam, SGD momentum,
-Lion and Adafactor on a small regression task against fp32 state.
+cases, stochastic rounding's bias (float8 subnormals included); then the
+codec inside `jaxmp.mixed_precision`: the rounding its step encodes with,
+which leaves it encodes, their bytes, a skipped step, a checkpoint, and
+Adam, SGD momentum, Lion and Adafactor on a small regression task against
+fp32 state.
 """
 
+import functools
 import re
 
 import jax
@@ -109,27 +112,118 @@ def test_int8_zeros_infs_nans_and_one_huge_value():
   _check_bound(x, dec, np.asarray(e.scale), 64)
 
 
+# Values between two neighbouring float8 codes, in units of the subnormals'
+# step 2**-9 (a block's absmax 1: the code of v is 256 * v): subnormals, the
+# last subnormal up to the least normal, the first normal binade (the same
+# step), the next (step 2), and 76.8 * 2**9 (step 8 * 2**9: 0.3).
+SUBNORMAL_STEPS = (1.7, 5.3, 7.6, 10.4, 18.5, 76.8 * 2**9)
+
+
+def _f8_neighbours(y):
+  """float8_e4m3fn's codes just below and above ``y`` > 0 (float64)."""
+  exponent = np.maximum(np.floor(np.log2(y)), -6)  # Subnormals: 2**-6 on.
+  step = 2.0 ** (exponent - 3)
+  lo = np.floor(y / step) * step
+  return lo, lo + step
+
+
+def _check_unbiased(x, dec, lo, hi):
+  """Each element on ``lo`` or ``hi``, both taken, the mean ``x``'s.
+
+  An unbiased rounding takes ``hi`` with probability ``p = (x - lo) / (hi -
+  lo)``: its mean error is 0 with standard error ``sqrt(sum p (1 - p) (hi -
+  lo)**2) / n``; 5 of them is the tolerance (the draws are a fixed hash:
+  the same on every machine).
+  """
+  x = np.asarray(x, np.float64)
+  dec = np.asarray(dec, np.float64)
+  where = f"between {lo:.6g} and {hi:.6g}"
+  assert np.all((dec == lo) | (dec == hi)), (where, np.unique(dec))
+  assert np.any(dec == lo) and np.any(dec == hi), (where, np.unique(dec))
+  p = (x - lo) / (hi - lo)
+  se = np.sqrt(np.sum(p * (1 - p) * (hi - lo) ** 2)) / x.size
+  bias = np.mean(dec - x)
+  assert abs(bias) <= 5 * se, f"{where}: mean error {bias:.3g}, se {se:.3g}"
+
+
 def test_stochastic_rounding_is_unbiased_and_one_step_wide():
-  """Many elements of one value: their mean is the value, each a neighbour."""
-  x = np.full((64, 256), 0.3, np.float32)
+  """Rows of one value each: every element on a neighbour, the mean exact.
+
+  The values sit between float8 subnormals, at the edge of the normals, and
+  among the normals (`SUBNORMAL_STEPS`).
+  """
+  cases = np.asarray(SUBNORMAL_STEPS) * 2.0**-9 / 256  # With absmax 1.
+  x = np.repeat(cases, -(-64 // len(cases)))[:64, None].astype(np.float32)
+  x = np.repeat(x, 256, 1)
   x[:, 0] = 1.0  # absmax 1: 0.3 codes as 76.8, between 72 and 80.
-  x[:, 1:] += np.arange(255, dtype=np.float32) * 1e-9  # Distinct bits.
-  e = jax.jit(lambda x: state_codec.encode_int8(x, 256, True))(x)
-  dec = np.asarray(state_codec.decode(e))[:, 1:]
-  assert set(np.unique(dec).tolist()) == {72 / 256, 80 / 256}
-  # Up with probability 0.6: the mean within 5 standard errors of 0.3.
-  se = np.sqrt(0.6 * 0.4 / dec.size) * 8 / 256
-  assert abs(dec.mean() - 0.3) <= 5 * se
-  # Deterministic: the same input rounds the same way.
-  again = jax.jit(lambda x: state_codec.encode_int8(x, 256, True))(x)
-  np.testing.assert_array_equal(again.data, e.data)
-  # And never to zero, nor to the wrong sign.
+  # And 8 rows (blocks) spanning 8 decades each, for the sign and the bound.
   y = np.random.default_rng(4).normal(size=(8, 256)).astype(np.float32)
   y *= 10.0 ** np.random.default_rng(5).uniform(-8, 0, y.shape)
-  z = np.asarray(state_codec.decode(state_codec.encode_int8(y, 256, True)))
+  blocks = np.concatenate([x, y])
+  e = jax.jit(lambda x: state_codec.encode_int8(x, 256, True))(blocks)
+  dec, z = np.split(np.asarray(state_codec.decode(e)), [64])
+  dec = dec[:, 1:]
+  for case in cases.astype(np.float32):
+    rows = x[:, 1] == case
+    lo, hi = _f8_neighbours(np.float64(case) * 256)
+    _check_unbiased(x[rows, 1:], dec[rows], lo / 256, hi / 256)
+  assert set(np.unique(dec[x[:, 1] == np.float32(0.3)]).tolist()) == {
+    72 / 256,
+    80 / 256,
+  }
+  # Deterministic: the same input rounds the same way (compiled again).
+  again = jax.jit(lambda x: state_codec.encode_int8(x, 256, True))(blocks)
+  np.testing.assert_array_equal(again.data, e.data)
+  # Never to zero, nor to the wrong sign, and within one step.
   assert np.all(np.sign(z) == np.sign(y))
   step = np.maximum(2.0**-3 * np.abs(y), 2.0**-17 * np.abs(y).max(1)[:, None])
   assert np.all(np.abs(z - y) <= step)
+
+
+@pytest.mark.parametrize(
+  "kind,rounding",
+  [("bf16", "stochastic"), ("bf16", None), ("int8", None), ("int8", "nearest")],
+)
+def test_the_step_encodes_the_new_state_with_its_rounding(kind, rounding):
+  """One SGD-momentum step from zeros: the new trace is the gradient.
+
+  Every element but one per row is 0.3 (the row's absmax is 1.0), between
+  two codes: rounded to nearest (bf16's default, or asked) every one is
+  the nearer code; stochastically (int8's default, or asked) each is either
+  code, and the mean is 0.3. The codes are those the step wrote.
+  """
+  codec = jaxmp.StateQuantization(
+    kind, block_size=256, min_size=1024, rounding=rounding
+  )
+  opt = jaxmp.mixed_precision(
+    optax.sgd(0.1, momentum=0.9), loss_scale=1.0, optimizer_state=codec
+  )
+  params = {"w": jnp.zeros((16, 256), jnp.float32)}
+  g = np.full((16, 256), 0.3, np.float32)
+  g[:, 0] = 1.0
+  _, state = jax.jit(opt.update)(
+    {"w": jnp.asarray(g)}, opt.init(params), params
+  )
+  leaf = state.inner_state[0].trace["w"]
+  assert leaf.spec.kind == kind
+  dec = np.asarray(state_codec.decode(leaf))
+  np.testing.assert_array_equal(dec[:, 0], 1.0)
+  if kind == "bf16":
+    ulp = 2.0**-9  # bfloat16's step in [0.25, 0.5).
+    lo = np.floor(0.3 / ulp) * ulp
+    nearest = np.asarray(g.astype(BF16), np.float32)
+  else:
+    lo = 72 / 256  # 76.8 between the codes 72 and 80.
+    ulp = 8 / 256
+    nearest = state_codec.decode(
+      state_codec.EncodedLeaf(
+        _reference(g, 256)[0], np.ones((16, 1)), leaf.spec
+      )
+    )
+  if (rounding or {"bf16": "nearest", "int8": "stochastic"}[kind]) == "nearest":
+    np.testing.assert_array_equal(dec, nearest)
+  else:
+    _check_unbiased(g[:, 1:], dec[:, 1:], lo, lo + ulp)
 
 
 def test_a_positive_second_moment_never_decodes_to_zero():
@@ -203,6 +297,13 @@ OPTIMIZERS = {
 }
 
 
+@functools.cache
+def _fp32_reference(name):
+  """The first and the final loss of 200 steps with fp32 state (once)."""
+  _, _, losses, final = _train(OPTIMIZERS[name][0](), "fp32", 200)
+  return losses[0], final
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_low_bit_state_tracks_fp32_state(name, kind):
@@ -213,9 +314,9 @@ def test_low_bit_state_tracks_fp32_state(name, kind):
   the loss, and SGD momentum's 35% more); bf16 within 1.2% for all.
   """
   make, encoded = OPTIMIZERS[name]
-  _, _, ref_losses, ref = _train(make(), "fp32", 200)
+  first, ref = _fp32_reference(name)
   _, state, losses, got = _train(make(), kind, 200)
-  assert ref < 0.05 * ref_losses[0]  # It did train.
+  assert ref < 0.05 * first  # It did train.
   assert abs(got - ref) <= 0.1 * ref, (got, ref)
   rows = jaxmp.state_summary(state)
   coded = {r.path for r in rows if r.note == "encoded"}
