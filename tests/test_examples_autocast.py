@@ -78,7 +78,10 @@ def test_flax_mnist_example_runs_the_fp32_cnn_under_autocast():
   dots = [p for p in auto if p[0] == "dot_general"]
   assert len(convs) >= 5 and len(dots) >= 5, auto  # 2 fwd + 2-ish bwd each
   assert all(ins == HALF for _, ins, _ in auto), auto
-  assert len(plain) == len(auto)
+  # (Autocast's jaxpr holds more product equations than plain JAX's: each
+  # weight's cotangent product sits in a custom rule, which the jaxpr keeps
+  # with the forward it was traced beside.)
+  assert len(auto) >= len(plain)
   assert all(ins == ("float32", "float32") for _, ins, _ in plain), plain
   # Its output and the statistics it writes back to the model stay fp32.
   before = nnx.clone(nnx.state(model, nnx.BatchStat))

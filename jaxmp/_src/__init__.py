@@ -6,9 +6,14 @@ The public names are in ``jaxmp``, ``jaxmp.nn`` and ``jaxmp.models``.
   they import nothing of jaxmp.
 * ``scaling/``: the loss-scale rule, the unscaled-gradients check and the
   per-leaf gradient diagnostics.
+* ``reduction/``: the ``grad_reduce`` modes, ``pmean_grads`` and
+  ``reduction_report`` (where a step sums across devices, in what dtype).
+* ``autocast/``: ``autocast`` and its jaxpr interpreter, the op rules, fp8,
+  the products whose weights' cotangents leave them in fp32.
 * ``transform/``: the optax transforms (``mixed_precision``, ``multi_steps``),
-  their master-weights modes, and the functions that read or feed their state.
-* ``autocast/``: ``autocast`` and its jaxpr interpreter, the op rules, fp8.
+  their master-weights modes, and the functions that read or feed their state
+  (``value_and_grad`` runs half params' losses through autocast's
+  interpreter, for ``grad_reduce``).
 * ``nn/``: the Flax building blocks and ResNets (flax is imported there
   only), the CPU compiler options.
 * ``presets/``: precision policies, presets and ``initialize``, which tie

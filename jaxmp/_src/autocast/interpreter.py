@@ -31,7 +31,7 @@ from jaxmp._src.autocast import _jaxpr_interp as ji
 from jaxmp._src.autocast import fp8 as _fp8
 from jaxmp._src.autocast import report
 from jaxmp._src.autocast import rules
-from jaxmp._src.reduction import products
+from jaxmp._src.autocast import products
 
 # Ops that pass a value through unchanged in substance: a product operand
 # reached from a function input through them is a weight (or data, whose

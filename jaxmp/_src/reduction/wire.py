@@ -102,7 +102,7 @@ def pmean_grads(
 
   >>> import jax, jax.numpy as jnp, numpy as np, jaxmp
   >>> from jax.sharding import PartitionSpec as P
-  >>> mesh = jax.make_mesh((1,), ("data",))
+  >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
   >>> g = {"w": jnp.full((1, 4), 3.0, jnp.float16)}
   >>> mean = jax.shard_map(
   ...   lambda t: jaxmp.pmean_grads(t, "data", grad_reduce="half_wire"),

@@ -49,6 +49,8 @@ def product(eqn, operands: Sequence, dtypes: Sequence, wide, mode, updates):
   in_dtypes = [jnp.dtype(x.dtype) for x in operands]
   # Inside shard_map: the axes each operand varies over (its placeholder's).
   vma = [_varying_axes(x) for x in operands]
+  # Explicit-axes mode: each cotangent must carry its operand's sharding.
+  shardings = [_explicit_sharding(x) for x in operands]
 
   def casts(ops):
     return [x if x.dtype == d else x.astype(d) for x, d in zip(ops, dtypes)]
@@ -71,7 +73,11 @@ def product(eqn, operands: Sequence, dtypes: Sequence, wide, mode, updates):
     # An operand's own value is never read for its cotangent (a product is
     # linear in it): where it was not saved, its zeros stand for its type.
     saved = [
-      _zeros_like(operands[j].shape, dtypes[j], vma[j]) if x is None else x
+      _resharded(
+        _zeros_like(operands[j].shape, dtypes[j], vma[j]), shardings[j]
+      )
+      if x is None
+      else x
       for j, x in enumerate(saved)
     ]
     cts = []
@@ -83,7 +89,7 @@ def product(eqn, operands: Sequence, dtypes: Sequence, wide, mode, updates):
         ct = _wide_cotangent(eqn, updates, saved, g, j, mode)
       else:
         ct = _cotangent(eqn, updates, saved, g, j, wide_out=False)
-      cts.append(ct.astype(dtype))
+      cts.append(_resharded(ct.astype(dtype), shardings[j]))
     return tuple(cts)
 
   prod.defvjp(prod_fwd, prod_bwd, symbolic_zeros=True)
@@ -97,6 +103,24 @@ def _varying_axes(x) -> frozenset:
   if mat is not None:
     return frozenset(mat.varying)
   return frozenset(getattr(aval, "vma", ()))  # Older JAX.
+
+
+def _explicit_sharding(x):
+  """``x``'s sharding where its type carries one (explicit axes), or None."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  types = getattr(mesh, "axis_types", ()) or ()
+  if explicit is None or not any(t == explicit for t in types):
+    return None
+  return sharding
+
+
+def _resharded(x, sharding):
+  """``x`` typed with ``sharding`` (explicit axes only)."""
+  if sharding is None or getattr(jax.typeof(x), "sharding", None) == sharding:
+    return x
+  return jax.sharding.reshard(x, sharding.spec)
 
 
 def _zeros_like(shape, dtype, vma):
@@ -284,6 +308,7 @@ def summed_in_fp32(eqn, invals):
   """
   x, rest = invals[0], list(invals[1:])
   dtype = x.dtype
+  sharding = _explicit_sharding(x)
 
   @jax.custom_vjp
   def op(x):
@@ -296,7 +321,7 @@ def summed_in_fp32(eqn, invals):
     wide = x.astype(wire.F32)
     linear = lambda t: ji.bind(eqn, [t, *rest])[0]
     (ct,) = jax.vjp(linear, wide)[1](g.astype(wire.F32))
-    return (ct.astype(dtype),)
+    return (_resharded(ct.astype(dtype), sharding),)
 
   op.defvjp(op_fwd, op_bwd)
   return op(x)
@@ -310,6 +335,7 @@ def broadcast_summed_in_fp32(x, shape):
   over the batch in half.
   """
   dtype = x.dtype
+  sharding = _explicit_sharding(x)
   axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if a != b)
 
   @jax.custom_vjp
@@ -321,7 +347,7 @@ def broadcast_summed_in_fp32(x, shape):
 
   def op_bwd(_, g):
     summed = jnp.sum(g.astype(wire.F32), axis=axes, keepdims=True)
-    return (summed.astype(dtype),)
+    return (_resharded(summed.astype(dtype), sharding),)
 
   op.defvjp(op_fwd, op_bwd)
   return op(x)
