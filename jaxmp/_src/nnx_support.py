@@ -47,6 +47,69 @@ def unwrap(tree: Any) -> Any:
   )
 
 
+def _rewrap(var: Any, value: Any) -> Any:
+  """A variable of ``var``'s type and metadata that holds ``value``.
+
+  Built as ``jax.tree_util`` rebuilds a variable (no hooks, no resharding).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  treedef = jax.tree_util.tree_structure(var, is_leaf=lambda x: x is not var)
+  return treedef.unflatten([value])
+
+
+def settle(tree: Any) -> Any:
+  """``tree`` with every NNX variable holding one array.
+
+  A state built by mapping over NNX params (``tx.init(nnx.state(model,
+  nnx.Param))``) holds each of its values in a variable like the param's:
+  a ``None`` master, an empty node or an encoded low-bit leaf would end up
+  inside one. NNX treats a variable's value as one array: ``nnx.eval_shape``
+  reads its ``.shape``, and ``nnx.update`` writes back an ``nnx.State`` in
+  place of a pytree it held. So a variable holding a pytree is replaced by
+  that pytree with each of its leaves in a variable like it, and one holding
+  no leaf (``None``, an empty node) by its value.
+
+  >>> import jax.numpy as jnp
+  >>> settle({"a": jnp.ones(2), "b": None})["b"] is None
+  True
+  """
+  if nnx() is None:
+    return tree
+  import jax  # pylint: disable=g-import-not-at-top
+
+  def settle_one(x):
+    if not is_variable(x):
+      return x
+    value = _value(x)
+    leaves = jax.tree_util.tree_leaves(value)
+    if len(leaves) == 1 and leaves[0] is value:
+      return x  # An array (or a shape struct): as NNX expects.
+    return jax.tree.map(lambda leaf: _rewrap(x, leaf), value)
+
+  return jax.tree.map(settle_one, tree, is_leaf=is_variable)
+
+
+def wrap_like(plain: Any, template: Any) -> Any:
+  """``plain`` (no variables) with the NNX variables of ``template`` again.
+
+  ``template`` is ``plain``'s structure with some subtrees held in
+  variables (`unwrap` of it has ``plain``'s structure): each such subtree of
+  ``plain`` goes back into a variable like ``template``'s. A template
+  without variables gives ``plain`` back as it is.
+  """
+  if nnx() is None or not variables(template):
+    return plain
+  import jax  # pylint: disable=g-import-not-at-top
+
+  return jax.tree.map(
+    lambda t, v: _rewrap(t, v) if is_variable(t) else v,
+    template,
+    plain,
+    is_leaf=is_variable,
+  )
+
+
 def variables(tree: Any) -> list[Any]:
   """The NNX variables of ``tree`` (a state, a module), in leaf order."""
   mod = nnx()
