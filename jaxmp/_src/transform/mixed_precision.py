@@ -424,7 +424,7 @@ def mixed_precision(
 
   def init_fn(params):
     # NNX params (variables): every variable of the state holds one array.
-    return nnx_support.settle(build(params))
+    return nnx_support.settle(build(params), state_codec.named_axes)
 
   def update_fn(grads, state, params=None, *, loss=None, **extra_args):
     if params is None:

@@ -189,6 +189,26 @@ def _is_encoded(x) -> bool:
   return isinstance(x, EncodedLeaf)
 
 
+def named_axes(x: Any) -> Optional[list]:
+  """For an encoded leaf, the axes of its codes and scales named as its param's.
+
+  The leading axes of both are the param's; the codes' last axis is the
+  param's where it is not padded; the scales' last axis (blocks) is not.
+  (NNX: the variables of an encoded leaf keep their param's sharding names
+  on these axes only, so that every name fits its axis.) ``None`` for any
+  other value.
+  """
+  if not _is_encoded(x):
+    return None
+  ndim = len(x.spec.shape)
+  lead = (True,) * max(ndim - 1, 0)
+  data_last = tuple(x.data.shape) == tuple(x.spec.shape)
+  out = [lead + ((data_last,) if ndim else ())]
+  if x.scale is not None:
+    out.append(lead + ((False,) if ndim else ()))
+  return out
+
+
 def _blocks(shape: tuple[int, ...], block_size: int) -> tuple[int, int, int]:
   """``(last, block, padded last)`` of a leaf's shape."""
   last = shape[-1] if shape else 1
