@@ -111,6 +111,8 @@ def test_nnx_optimizer_steps_as_split_merge_every_mode_and_state():
     params = nnx.split(_Net(nnx.Rngs(0)), nnx.Param)[1]
     pures.append((params, tx.init(params)))
   params0 = nnx.as_pure(nnx.state(models[0], nnx.Param))
+  # The functional state keeps its variables step after step (a scan carry).
+  structures = [jax.tree.structure(pure) for pure in pures]
 
   @nnx.jit
   def step(models, opts, pures, x):
@@ -123,6 +125,7 @@ def test_nnx_optimizer_steps_as_split_merge_every_mode_and_state():
   x = _x()
   for _ in range(3):
     pures = step(models, opts, pures, x)
+  assert [jax.tree.structure(pure) for pure in pures] == structures
   for case, model, opt, (params, state) in zip(cases, models, opts, pures):
     got = nnx.as_pure(opt.opt_state)
     assert int(got.skipped_steps) == 0, case
