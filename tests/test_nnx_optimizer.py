@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxmp
 
@@ -168,10 +169,10 @@ def test_settle_no_variable_holds_a_pytree_or_none():
 
   def make():
     model = _Net(nnx.Rngs(0), kernel_names=(None, "fsdp"))
-    return nnx.Optimizer(model, _tx("fp32", "int8"), wrt=nnx.Param)
+    return model, nnx.Optimizer(model, _tx("fp32", "int8"), wrt=nnx.Param)
 
   with jax.set_mesh(mesh):  # Abstract: nothing computed.
-    opt = nnx.eval_shape(make)
+    model, opt = nnx.eval_shape(make)
   variables = jax.tree.leaves(
     opt.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
   )
@@ -188,6 +189,15 @@ def test_settle_no_variable_holds_a_pytree_or_none():
   assert type(enc).__name__ == "EncodedLeaf"
   assert type(enc.data).__name__ == "OptVariable"
   assert names(enc.data) == names(enc.scale) == (None, None)
+  # `jaxmp.state_shardings` of NNX params: the state's structure, variables
+  # included, each param-shaped leaf placed like its param.
+  params = nnx.state(model, nnx.Param)
+  shardings = jaxmp.state_shardings(opt.tx, params)
+  assert jax.tree.structure(shardings) == jax.tree.structure(
+    jax.eval_shape(opt.tx.init, params)
+  )
+  kernel = shardings.master_params["l"]["kernel"].get_value()
+  assert kernel.spec == P(None, "fsdp")
 
 
 CKPT_CASES = [  # (param dtype, master mode, optimizer_state)

@@ -432,9 +432,9 @@ def mixed_precision(
         "mixed_precision.update needs params: "
         "opt.update(grads, opt_state, params)"
       )
+    placement.check_chain(sys._getframe(1), update_fn.__code__)  # pylint: disable=protected-access
     # NNX variables (the split/merge route): the step runs on their arrays,
     # and the updates and the state come back in variables as they came.
-    placement.check_chain(sys._getframe(1), update_fn.__code__)  # pylint: disable=protected-access
     given_state, given_params = state, params
     grads, state, params = nnx_support.unwrap((grads, state, params))
     updates, state = _update(grads, state, params, loss, extra_args)

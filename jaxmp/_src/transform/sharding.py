@@ -429,12 +429,14 @@ def state_shardings(opt: Any, params: Any) -> Any:
   >>> tuple(shardings.inner_state[0].mu["w"].spec), tuple(shardings.loss_scale.spec)
   (('fsdp',), ())
   """
+  abstract = jax.eval_shape(opt.init, params)
+  # NNX params and states: matched on their arrays, the variables put back.
+  plain, params = nnx_support.unwrap(abstract), nnx_support.unwrap(params)
   device = _one_device(params)
   if device is not None:  # No mesh: every leaf on that device.
     one = jax.sharding.SingleDeviceSharding(device)
-    return jax.tree.map(lambda _: one, jax.eval_shape(opt.init, params))
+    return nnx_support.wrap_like(jax.tree.map(lambda _: one, plain), abstract)
   mesh = params_mesh(params)
-  abstract = jax.eval_shape(opt.init, params)
   replicated = NamedSharding(mesh, PartitionSpec())
 
   def encoded(e, p):
@@ -445,9 +447,10 @@ def state_shardings(opt: Any, params: Any) -> Any:
       e.spec,
     )
 
-  return map_like_params(
-    abstract, params, lambda _, p: p.sharding, lambda _: replicated, encoded
+  shardings = map_like_params(
+    plain, params, lambda _, p: p.sharding, lambda _: replicated, encoded
   )
+  return nnx_support.wrap_like(shardings, abstract)
 
 
 def _mesh_of(x) -> Any:
