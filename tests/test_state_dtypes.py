@@ -74,6 +74,12 @@ REFUSED = [
     F16,
     r"compensation\['w'\] \(bfloat16\) belongs to a bfloat16.*params\['w'\] is float16",
   ),
+  (
+    "kahan",
+    BF16,
+    F32,
+    r"compensation\['w'\] \(bfloat16\) belongs to a bfloat16.*params\['w'\] is float32",
+  ),
 ]
 
 
