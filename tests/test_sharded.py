@@ -362,6 +362,29 @@ def test_state_shardings_errors():
     jaxmp.state_shardings(opt, {**params, "w1": moved})
 
 
+def test_state_shardings_of_params_on_one_device():
+  """Params on one device (a restore target without a mesh): every leaf there."""
+  device = jax.devices()[1]
+  opt = jaxmp.mixed_precision(
+    optax.adam(1e-2),
+    optimizer_state=jaxmp.StateQuantization("int8", block_size=8, min_size=8),
+  )
+  params = {
+    "w": jax.device_put(jnp.ones((4, 8), jnp.bfloat16), device),
+    "b": jax.ShapeDtypeStruct(
+      (8,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device)
+    ),
+  }
+  shardings = jaxmp.state_shardings(opt, params)
+  abstract = jax.eval_shape(opt.init, params)
+  assert jax.tree.structure(shardings) == jax.tree.structure(abstract)
+  for s in jax.tree.leaves(shardings):
+    assert s == jax.sharding.SingleDeviceSharding(device)
+  on_two = dict(params, w=jax.device_put(params["w"], jax.devices()[0]))
+  with pytest.raises(ValueError, match=r"params\['b'\] is ShapeDtypeStruct"):
+    jaxmp.state_shardings(opt, on_two)
+
+
 def test_step_rejects_state_of_another_tree():
   mesh = _mesh()
   opt = jaxmp.mixed_precision(optax.adam(1e-2))

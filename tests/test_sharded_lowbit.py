@@ -377,7 +377,10 @@ def test_explicit_axes_mode():
     _, new_state = step(params, state, _grads(params, 0))
     _same_shardings(new_state, state)
     bad = _params(mesh, {"a": ((4, 24), P(None, "fsdp"))})
-    with pytest.raises(ValueError, match=r"2 shards of 12 elements.*of 8"):
+    with pytest.raises(
+      ValueError,
+      match=r"inner_state\[0\]\.mu\['a'\] of shape.*2 shards of 12.*of 8",
+    ):
       opt.init(bad)
 
 

@@ -9,7 +9,7 @@ variables and catch that aliasing.
 """
 
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 def nnx() -> Optional[Any]:
@@ -44,6 +44,94 @@ def unwrap(tree: Any) -> Any:
 
   return jax.tree.map(
     lambda x: _value(x) if is_variable(x) else x, tree, is_leaf=is_variable
+  )
+
+
+def _rewrap(var: Any, value: Any, keep: Optional[tuple] = None) -> Any:
+  """A variable of ``var``'s type and metadata that holds ``value``.
+
+  Built as ``jax.tree_util`` rebuilds a variable (no hooks, no resharding).
+  ``keep`` (one bool per axis of ``value``): the axes that keep the names of
+  ``var``'s ``out_sharding`` metadata; the others get ``None`` (replicated).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  names = _metadata(var).get("out_sharding")
+  if keep is not None and isinstance(names, (tuple, list)):
+    if len(names) == len(keep):
+      new = tuple(n if k else None for n, k in zip(names, keep))
+      if new != tuple(names):
+        return var.replace(value, out_sharding=new)
+  treedef = jax.tree_util.tree_structure(var, is_leaf=lambda x: x is not var)
+  return treedef.unflatten([value])
+
+
+def _metadata(var: Any) -> dict:
+  get = getattr(var, "get_metadata", None)
+  return dict(get()) if get is not None else {}
+
+
+def settle(tree: Any, axes: Optional[Callable[[Any], Any]] = None) -> Any:
+  """``tree`` with every NNX variable holding one array.
+
+  A state built by mapping over NNX params (``tx.init(nnx.state(model,
+  nnx.Param))``) holds each of its values in a variable like the param's:
+  a ``None`` master, an empty node or an encoded low-bit leaf would end up
+  inside one. NNX treats a variable's value as one array: ``nnx.eval_shape``
+  reads its ``.shape``, and ``nnx.update`` writes back an ``nnx.State`` in
+  place of a pytree it held. So a variable holding a pytree is replaced by
+  that pytree with each of its leaves in a variable like it, and one holding
+  no leaf (``None``, an empty node) by its value.
+
+  Args:
+    tree: any pytree.
+    axes: called on a pytree a variable held: for each of its leaves (in
+      leaf order) a tuple of bools, the axes that keep the variable's
+      sharding names (``None``: all of them), or ``None`` for all leaves.
+
+  Returns:
+    ``tree``, its variables each holding one array.
+
+  >>> import jax.numpy as jnp
+  >>> settle({"a": jnp.ones(2), "b": None})["b"] is None
+  True
+  """
+  if nnx() is None:
+    return tree
+  import jax  # pylint: disable=g-import-not-at-top
+
+  def settle_one(x):
+    if not is_variable(x):
+      return x
+    value = _value(x)
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    if len(leaves) == 1 and leaves[0] is value:
+      return x  # An array (or a shape struct): as NNX expects.
+    keep = (axes(value) if axes is not None else None) or [None] * len(leaves)
+    return treedef.unflatten(
+      [_rewrap(x, leaf, k) for leaf, k in zip(leaves, keep)]
+    )
+
+  return jax.tree.map(settle_one, tree, is_leaf=is_variable)
+
+
+def wrap_like(plain: Any, template: Any) -> Any:
+  """``plain`` (no variables) with the NNX variables of ``template`` again.
+
+  ``template`` is ``plain``'s structure with some subtrees held in
+  variables (`unwrap` of it has ``plain``'s structure): each such subtree of
+  ``plain`` goes back into a variable like ``template``'s. A template
+  without variables gives ``plain`` back as it is.
+  """
+  if nnx() is None or not variables(template):
+    return plain
+  import jax  # pylint: disable=g-import-not-at-top
+
+  return jax.tree.map(
+    lambda t, v: _rewrap(t, v) if is_variable(t) else v,
+    template,
+    plain,
+    is_leaf=is_variable,
   )
 
 

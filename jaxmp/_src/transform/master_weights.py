@@ -372,6 +372,72 @@ class Remainder:
 
 Mode = Union[Fp32Masters, RoundToNearest, Kahan, Stochastic, Remainder]
 
+# The buffer of each mode that says which dtype each param had at ``init``.
+_DTYPE_BUFFERS = {
+  "fp32": "master_params",
+  "kahan": "compensation",
+  "remainder": "remainder",
+}
+
+
+def check_dtypes(mode: Mode, params: Any, buffers: Buffers) -> None:
+  """Trace-time: ``buffers`` were built for params of these dtypes.
+
+  ``init`` keeps a buffer for each half param only (an fp32 param is its
+  own master), so a state built for params of other dtypes would step them
+  wrong in silence: a half param without a buffer takes plain half updates
+  (``init`` before the cast to half precision), an fp32 param with an fp32
+  master would land on that stale master, and a remainder or compensation
+  joins the param's bits as if they were another dtype's. Each such leaf is
+  refused. ``"stochastic"`` and ``"none"`` keep no per-param buffer: any
+  dtype steps as it should. So does a float16 param with the fp32 master of
+  a bfloat16 one (the master is its fp32 value either way).
+
+  Raises:
+    ValueError: naming the first such leaf by its path, its dtype and the
+      dtype its buffer was built for.
+  """
+  field = _DTYPE_BUFFERS.get(mode.name)
+  tree = None if field is None else getattr(buffers, field)
+  if tree is None:
+    return
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(
+    params, is_leaf=is_empty
+  )
+  for (path, p), b in zip(leaves, treedef.flatten_up_to(tree)):
+    if is_empty(p) or isinstance(b, Placeholder) or not hasattr(p, "dtype"):
+      continue
+    got = jnp.dtype(p.dtype)
+    half = dtypes.is_half(p)
+    if b is None:
+      built = None if half else got  # No buffer: built for a full param.
+    elif field == "master_params":
+      built = got if half else "half-precision (bfloat16 or float16)"
+    elif field == "remainder":
+      built = jnp.dtype(jnp.bfloat16)
+    else:
+      built = jnp.dtype(b.dtype)
+    if built is not None and built == got:
+      continue
+    where = jax.tree_util.keystr(path)
+    if b is None:
+      why = (
+        f"state.{field}{where} is None, as for a float32 param (its own "
+        f"master), but params{where} is {got.name} (was opt.init called "
+        "before the params were cast to half precision?)"
+      )
+    else:
+      built_name = getattr(built, "name", built)
+      why = (
+        f"state.{field}{where} ({jnp.dtype(b.dtype).name}) belongs to a "
+        f"{built_name} param, but params{where} is {got.name}"
+      )
+    raise ValueError(
+      f"the optimizer state was built for params of another dtype: {why}. "
+      "Build the state with opt.init(params) from the params as they are "
+      "stepped (after any cast)"
+    )
+
 
 def get_mode(master_weights, rounding_key=0) -> Mode:
   """The mode object of ``mixed_precision``'s ``master_weights``."""

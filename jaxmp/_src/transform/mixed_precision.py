@@ -42,6 +42,7 @@ import optax
 
 from jaxmp._src.scaling import diagnostics as diag
 from jaxmp._src import dtypes
+from jaxmp._src import nnx_support
 from jaxmp._src.scaling import loss_scale as loss_scale_lib
 from jaxmp._src.transform import master_weights as masters_lib
 from jaxmp._src.transform import placement
@@ -396,7 +397,7 @@ def mixed_precision(
   inner = optax.with_extra_args_support(inner)
 
   @sharding_lib.placed_like_params  # Also under jit: see `sharding`.
-  def init_fn(params):
+  def build(params):
     _check_params(params)
     buffers = mode.init(params)
     inner_state = inner.init(mode.view(params, buffers))
@@ -421,16 +422,31 @@ def mixed_precision(
       optimizer_state=codec,
     )
 
+  def init_fn(params):
+    # NNX params (variables): every variable of the state holds one array.
+    return nnx_support.settle(build(params), state_codec.named_axes)
+
   def update_fn(grads, state, params=None, *, loss=None, **extra_args):
     if params is None:
       raise ValueError(
         "mixed_precision.update needs params: "
         "opt.update(grads, opt_state, params)"
       )
+    placement.check_chain(sys._getframe(1), update_fn.__code__)  # pylint: disable=protected-access
+    # NNX variables (the split/merge route): the step runs on their arrays,
+    # and the updates and the state come back in variables as they came.
+    given_state, given_params = state, params
+    grads, state, params = nnx_support.unwrap((grads, state, params))
+    updates, state = _update(grads, state, params, loss, extra_args)
+    return (
+      nnx_support.wrap_like(updates, given_params),
+      nnx_support.wrap_like(state, given_state),
+    )
+
+  def _update(grads, state, params, loss, extra_args):
     _check_inner_state(state.inner_state)
     spikes_lib.check_state(skip_spikes, state.spikes)
     sharding_lib.check_state(state, state.master_params, params, "state")
-    placement.check_chain(sys._getframe(1), update_fn.__code__)  # pylint: disable=protected-access
     unscaled.warn_if_unscaled(state)
     _mark_updated(state)
     scale = state.loss_scale
@@ -464,6 +480,7 @@ def mixed_precision(
       state.rounding_key,
       state.remainder,
     )
+    masters_lib.check_dtypes(mode, params, buffers)
     view = mode.view(params, buffers)
     # Encoded state: decoded, updated in fp32 and encoded in this one step.
     inner_updates, inner_state = inner.update(

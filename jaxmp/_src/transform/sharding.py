@@ -352,10 +352,11 @@ def params_mesh(params: Any, what: str = "jaxmp.state_shardings"):
     sharding = getattr(p, "sharding", None)
     if not _is_array(p) or not isinstance(sharding, NamedSharding):
       raise ValueError(
-        f"{what} needs params sharded on a mesh; {_path(path)} is "
-        f"{type(p).__name__} with sharding {sharding!r}. Place them with "
-        "jax.device_put(params, NamedSharding(mesh, spec)) (or pass "
-        "jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(...)))"
+        f"{what} needs params sharded on a mesh (or all on one device); "
+        f"{_path(path)} is {type(p).__name__} with sharding {sharding!r}. "
+        "Place them with jax.device_put(params, NamedSharding(mesh, spec)) "
+        "(or pass jax.ShapeDtypeStruct(shape, dtype, "
+        "sharding=NamedSharding(...)))"
       )
     if mesh is None:
       mesh, first = sharding.mesh, path
@@ -370,6 +371,19 @@ def params_mesh(params: Any, what: str = "jaxmp.state_shardings"):
   return mesh
 
 
+def _one_device(params: Any) -> Optional[Any]:
+  """The device of params that all live on one, unsharded, else ``None``."""
+  devices = set()
+  for p in jax.tree_util.tree_leaves(params, is_leaf=_is_empty):
+    if _is_empty(p):
+      continue
+    sharding = getattr(p, "sharding", None)
+    if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+      return None
+    devices |= set(sharding.device_set)
+  return devices.pop() if len(devices) == 1 else None
+
+
 def state_shardings(opt: Any, params: Any) -> Any:
   """The shardings of ``opt.init(params)``: param-shaped leaves like their param.
 
@@ -379,6 +393,9 @@ def state_shardings(opt: Any, params: Any) -> Any:
   `jaxmp.multi_steps`' accumulator) gets its param's sharding; every other
   leaf (loss scale, counters, rounding key, and leaves of another shape,
   such as Adafactor's factored moments) is replicated on the params' mesh.
+  Params that all live whole on one device (a `jax.sharding.SingleDeviceSharding`,
+  as `jax.device_put` gives) give that device's sharding for every leaf:
+  the target of a sharded checkpoint restored onto one device.
 
   ``jax.jit(opt.init)(params)`` and ``opt.init(params)`` already place the
   state so; use this for ``jax.jit(opt.init, out_shardings=...)``, to
@@ -390,15 +407,17 @@ def state_shardings(opt: Any, params: Any) -> Any:
     opt: the optimizer (any optax `GradientTransformation`).
     params: the params, concrete arrays or shape structs
       (`jax.ShapeDtypeStruct`), each with a `jax.sharding.NamedSharding`,
-      all on one mesh.
+      all on one mesh, or all on one device.
 
   Returns:
     A pytree with the structure of ``jax.eval_shape(opt.init, params)``
-    whose leaves are each a `jax.sharding.NamedSharding`.
+    whose leaves are each a `jax.sharding.NamedSharding` (a
+    `jax.sharding.SingleDeviceSharding` for params on one device).
 
   Raises:
-    ValueError: naming the param, for a param without a `NamedSharding` (an
-      unsharded array, a Python number) or for params on different meshes.
+    ValueError: naming the param, for a param with neither sharding (a
+      Python number, a shape struct without one), for params on different
+      meshes, or for params on several devices without a mesh.
 
   >>> import jax, jax.numpy as jnp, optax, jaxmp
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -410,8 +429,14 @@ def state_shardings(opt: Any, params: Any) -> Any:
   >>> tuple(shardings.inner_state[0].mu["w"].spec), tuple(shardings.loss_scale.spec)
   (('fsdp',), ())
   """
-  mesh = params_mesh(params)
   abstract = jax.eval_shape(opt.init, params)
+  # NNX params and states: matched on their arrays, the variables put back.
+  plain, params = nnx_support.unwrap(abstract), nnx_support.unwrap(params)
+  device = _one_device(params)
+  if device is not None:  # No mesh: every leaf on that device.
+    one = jax.sharding.SingleDeviceSharding(device)
+    return nnx_support.wrap_like(jax.tree.map(lambda _: one, plain), abstract)
+  mesh = params_mesh(params)
   replicated = NamedSharding(mesh, PartitionSpec())
 
   def encoded(e, p):
@@ -422,9 +447,10 @@ def state_shardings(opt: Any, params: Any) -> Any:
       e.spec,
     )
 
-  return map_like_params(
-    abstract, params, lambda _, p: p.sharding, lambda _: replicated, encoded
+  shardings = map_like_params(
+    plain, params, lambda _, p: p.sharding, lambda _: replicated, encoded
   )
+  return nnx_support.wrap_like(shardings, abstract)
 
 
 def _mesh_of(x) -> Any:

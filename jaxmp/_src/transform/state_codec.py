@@ -189,6 +189,26 @@ def _is_encoded(x) -> bool:
   return isinstance(x, EncodedLeaf)
 
 
+def named_axes(x: Any) -> Optional[list]:
+  """For an encoded leaf, the axes of its codes and scales named as its param's.
+
+  The leading axes of both are the param's; the codes' last axis is the
+  param's where it is not padded; the scales' last axis (blocks) is not.
+  (NNX: the variables of an encoded leaf keep their param's sharding names
+  on these axes only, so that every name fits its axis.) ``None`` for any
+  other value.
+  """
+  if not _is_encoded(x):
+    return None
+  ndim = len(x.spec.shape)
+  lead = (True,) * max(ndim - 1, 0)
+  data_last = tuple(x.data.shape) == tuple(x.spec.shape)
+  out = [lead + ((data_last,) if ndim else ())]
+  if x.scale is not None:
+    out.append(lead + ((False,) if ndim else ()))
+  return out
+
+
 def _blocks(shape: tuple[int, ...], block_size: int) -> tuple[int, int, int]:
   """``(last, block, padded last)`` of a leaf's shape."""
   last = shape[-1] if shape else 1
@@ -257,7 +277,9 @@ def encode_int8(
   return EncodedLeaf(data, absmax, spec)
 
 
-def _check_explicit_blocks(x, block: int, padded: int) -> None:
+def _check_explicit_blocks(
+  x, block: int, padded: int, name: str = "a leaf"
+) -> None:
   """Explicit-axes mode: a sharded last axis must hold whole blocks a shard.
 
   (In auto mode the compiler gathers what a block needs; under explicit
@@ -283,7 +305,7 @@ def _check_explicit_blocks(x, block: int, padded: int) -> None:
   if padded == last and last % shards == 0 and (last // shards) % block == 0:
     return
   raise ValueError(
-    f'optimizer_state="int8" under explicit mesh axes: a leaf of shape '
+    f'optimizer_state="int8" under explicit mesh axes: {name} of shape '
     f"{tuple(x.shape)} has its last axis sharded over {entry!r} in "
     f"{shards} shards of {last / shards:g} elements, which is not a whole "
     f"number of blocks of {block}, so a block would span two shards. Pick "
@@ -348,6 +370,15 @@ def _not_constant(x):
   return x
 
 
+def _check_int8(x, block_size: int, kind: str, path) -> None:
+  """`_check_explicit_blocks` of a leaf about to be encoded, named by path."""
+  if kind != "int8" or not hasattr(x, "shape"):
+    return
+  _, block, padded = _blocks(tuple(x.shape), block_size)
+  name = "state.inner_state" + jax.tree_util.keystr(tuple(path))
+  _check_explicit_blocks(x, block, padded, name)
+
+
 def encode_state(
   inner_state: Any, params: Any, codec: Optional[StateQuantization]
 ):
@@ -361,6 +392,9 @@ def encode_state(
     return inner_state
   treedef = jax.tree.structure(params)
   param_leaves = jax.tree.leaves(params)
+  param_paths = [
+    path for path, _ in jax.tree_util.tree_leaves_with_path(params)
+  ]
 
   def is_params_like(x):
     if _is_encoded(x):
@@ -370,17 +404,21 @@ def encode_state(
     except Exception:  # pylint: disable=broad-except
       return False
 
-  def encode_subtree(x):
+  def encode_subtree(path, x):
     if not is_params_like(x):
       return x
     leaves = treedef.flatten_up_to(x)
-    out = [
-      encode(_not_constant(leaf), codec) if _encodable(leaf, p, codec) else leaf
-      for leaf, p in zip(leaves, param_leaves)
-    ]
+    out = []
+    for leaf, p, p_path in zip(leaves, param_leaves, param_paths):
+      if _encodable(leaf, p, codec):
+        _check_int8(leaf, codec.block_size, codec.kind, path + p_path)
+        leaf = encode(_not_constant(leaf), codec)
+      out.append(leaf)
     return jax.tree.unflatten(treedef, out)
 
-  return jax.tree.map(encode_subtree, inner_state, is_leaf=is_params_like)
+  return jax.tree_util.tree_map_with_path(
+    encode_subtree, inner_state, is_leaf=is_params_like
+  )
 
 
 def decode_state(state: Any) -> Any:
@@ -392,11 +430,15 @@ def decode_state(state: Any) -> Any:
 
 def encode_like(new_state: Any, encoded: Any) -> Any:
   """``new_state`` encoded where ``encoded`` (its old value) was."""
-  return jax.tree.map(
-    lambda old, new: encode_with(new, old.spec) if _is_encoded(old) else new,
-    encoded,
-    new_state,
-    is_leaf=_is_encoded,
+
+  def encode_one(path, old, new):
+    if not _is_encoded(old):
+      return new
+    _check_int8(new, old.spec.block, old.spec.kind, path)
+    return encode_with(new, old.spec)
+
+  return jax.tree_util.tree_map_with_path(
+    encode_one, encoded, new_state, is_leaf=_is_encoded
   )
 
 
