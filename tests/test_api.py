@@ -50,6 +50,7 @@ PUBLIC = {
     "Preset",
     "PRESETS",
     "rollback_if_skipped",
+    "rounding_report",
     "scale_loss",
     "SpikeSkip",
     "SpikeStallError",

@@ -45,6 +45,7 @@ from jaxmp._src import dtypes
 from jaxmp._src.scaling import loss_scale as loss_scale_lib
 from jaxmp._src.transform import master_weights as masters_lib
 from jaxmp._src.transform import placement
+from jaxmp._src.transform import rounding_report as rounding_lib
 from jaxmp._src.scaling import spikes as spikes_lib
 from jaxmp._src.transform import sharding as sharding_lib
 from jaxmp._src.transform import state_codec
@@ -107,6 +108,10 @@ class MixedPrecisionState(NamedTuple):
     optimizer_state: static: the `jaxmp.StateQuantization` that encodes
       ``inner_state``'s param-shaped leaves, ``None`` for fp32 state (no
       leaf).
+    rounding: with ``rounding_every``, the per-leaf rounding figures of the
+      last measured step (see `jaxmp.rounding_report`); ``None`` otherwise.
+    master_modes: with per-leaf ``master_weights``, static: each param's
+      mode (see `jaxmp.state_summary`); ``None`` otherwise.
   """
 
   inner_state: optax.OptState
@@ -125,6 +130,8 @@ class MixedPrecisionState(NamedTuple):
   spikes: Optional[spikes_lib.SpikeState] = None
   remainder: Any = None
   optimizer_state: Optional[StateQuantization] = None
+  rounding: Optional[rounding_lib.RoundingFigures] = None
+  master_modes: Optional[masters_lib.LeafModeNames] = None
 
   @property
   def grads_finite(self) -> jax.Array:
@@ -214,6 +221,7 @@ def mixed_precision(
   rounding_key: Union[int, jax.Array] = 0,
   skip_spikes: Optional[spikes_lib.SpikeSkip] = None,
   optimizer_state: Union[str, StateQuantization] = "fp32",
+  rounding_every: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer with FP32 master params and loss scaling.
 
@@ -369,6 +377,10 @@ def mixed_precision(
       momentum) are encoded leaf by leaf; each step decodes them, runs
       ``inner`` in fp32 and encodes the result. `jaxmp.state_summary` lists
       how each leaf is stored. A skipped step leaves the codes bit for bit.
+    rounding_every: ``N > 0`` measures, on the 1st, ``N+1``-th, ... applied
+      step, what each param's half dtype alone loses of its update; read it
+      with `jaxmp.rounding_report`. ``0`` (the default) leaves the state and
+      the compiled step exactly as without it.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; extra args go to ``inner``.
@@ -391,6 +403,7 @@ def mixed_precision(
       "optax.inject_hyperparams pass it in static_args"
     )
   mode = masters_lib.get_mode(master_weights, rounding_key)
+  rounding_every = _check_every(rounding_every)
   skip_spikes = spikes_lib.check_config(skip_spikes)
   codec = state_codec.get_codec(optimizer_state)
   inner = optax.with_extra_args_support(inner)
@@ -419,6 +432,8 @@ def mixed_precision(
       spikes=spikes_lib.init(skip_spikes) if skip_spikes else None,
       remainder=buffers.remainder,
       optimizer_state=codec,
+      rounding=rounding_lib.init(params) if rounding_every else None,
+      master_modes=mode.names(params) if mode.name == "per-leaf" else None,
     )
 
   def update_fn(grads, state, params=None, *, loss=None, **extra_args):
@@ -475,9 +490,14 @@ def mixed_precision(
       inner_state,
       state.inner_state,
     )
-    targets, buffers = mode.targets(
-      params, optax.apply_updates(view, inner_updates), buffers, applied
-    )
+    new_view = optax.apply_updates(view, inner_updates)
+    targets, buffers = mode.targets(params, new_view, buffers, applied)
+    rounding = state.rounding
+    if rounding_every:
+      rounding = rounding_lib.step(
+        rounding_every, rounding, params, inner_updates, new_view, applied,
+        axis_name,
+      )  # fmt: skip
     updates = _outer_updates(params, inner_updates, targets, applied)
 
     new_scale, counter, overflows, loss_steps, loss_run = _next_counters(
@@ -508,6 +528,8 @@ def mixed_precision(
       spikes=spikes,
       remainder=buffers.remainder,
       optimizer_state=codec,
+      rounding=rounding,
+      master_modes=state.master_modes,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -538,6 +560,14 @@ def was_updated(state: MixedPrecisionState) -> bool:
   """Whether ``state`` was given to an ``update`` (it is a pre-update state)."""
   flag = _flag(state)
   return flag is not None and _UPDATED.get(id(flag)) is flag
+
+
+def _check_every(every) -> int:
+  if isinstance(every, (bool, np.bool_)) or not isinstance(
+    every, (int, np.integer)
+  ) or every < 0:  # fmt: skip
+    raise ValueError(f"rounding_every must be an int >= 0, got {every!r}")
+  return int(every)
 
 
 def _check_params(params) -> None:
@@ -644,17 +674,15 @@ def _next_counters(config, state, grads_finite, loss_finite):
 
 
 def full_view(params, state: MixedPrecisionState):
-  """The fp32 view of ``params`` that the state keeps.
+  """The fp32 view of ``params`` that the state keeps, leaf by leaf.
 
   The masters, ``param + compensation`` (Kahan), the param joined with its
   remainder, or the upcast param.
   """
-  remainder = getattr(state, "remainder", None)
   buffers = masters_lib.Buffers(
-    state.master_params, state.compensation, state.rounding_key, remainder
+    state.master_params,
+    state.compensation,
+    None,
+    getattr(state, "remainder", None),
   )
-  if remainder is not None:
-    return masters_lib.Remainder().view(params, buffers)
-  if state.compensation is not None:
-    return masters_lib.Kahan().view(params, buffers)
-  return masters_lib.Fp32Masters().view(params, buffers)
+  return masters_lib.full_view(params, buffers)
