@@ -204,6 +204,16 @@ def test_fsdp_and_shard_map_equal_one_device():
     np.testing.assert_array_equal(got.stalled, one.rounding.stalled)
     np.testing.assert_array_equal(got.flushed, one.rounding.flushed)
     np.testing.assert_allclose(got.quality, one.rounding.quality, rtol=1e-5)
+  # Per-leaf masters on the mesh: each buffer placed like its param.
+  modes = {"a": "remainder", "b": "fp32", "e": "kahan"}
+  per_leaf = _opt(1, master_weights=modes)
+  placed = jax.jit(per_leaf.init)(sp)
+  for buf in (
+    placed.remainder["a"],
+    placed.master_params["b"],
+    placed.compensation["e"],
+  ):
+    assert buf.sharding.is_equivalent_to(sp["a"].sharding, 1)
   # shard_map: each device holds a quarter of every param and gradient.
   sm_opt = _opt(1, axis_name="fsdp")
   state = sm_opt.init(params)
