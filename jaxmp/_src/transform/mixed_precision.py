@@ -351,7 +351,9 @@ def mixed_precision(
     master_weights: how half-precision params keep their fp32 updates:
       ``True``/``"fp32"`` (fp32 masters), ``"kahan"``, ``"stochastic"``,
       ``"remainder"`` (exact fp32 masters in 2 bytes, bfloat16 params) or
-      ``False``/``"none"`` (Apex O3, the plain half update); see above.
+      ``False``/``"none"`` (Apex O3, the plain half update); see above. Or
+      per leaf: a function ``(path, param) -> mode`` or a pytree of modes
+      (`jaxmp.rounding_report` can choose), each leaf as under its mode.
     axis_name: name of a mapped axis (``shard_map``/``pmap``) over which the
       finite flag is reduced, so that every device skips together. Not needed
       under ``jit`` with sharded arrays: the check is global there. Under
