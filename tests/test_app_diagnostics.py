@@ -36,7 +36,7 @@ def test_overflow_names_its_leaf_and_auto_scale_trains(
     inject_overflow_leaf="layer1_0/conv2/kernel",
     log_every_steps=3,  # The overflow at step 2 is between log steps.
     data_on_device=True,  # Calibrates on the batch gathered on the device.
-    rounding_every=4,  # Measures applied steps 1 and 5 (steps 1 and 6).
+    rounding_every=2,  # Measures applied steps 2 and 4 (steps 3 and 5).
   )
   assert cli.run(config, workdir, data=tiny_data) == 0
   out = capsys.readouterr().out
@@ -61,17 +61,17 @@ def test_overflow_names_its_leaf_and_auto_scale_trains(
   assert first["worst_leaf_nonfinite"] == LEAF_SIZE
   assert first["loss_scale"] == scale / 2
   assert second["skipped_since_last_log"] == 0 and "worst_leaf" not in second
-  # Rounding: applied step 1 at log step 3 (the skip at step 2 moves
-  # nothing), applied step 5 at log step 6; per leaf (the one-block net
-  # has few), each figure a share.
-  assert (first["rounding_step"], second["rounding_step"]) == (1, 5)
+  # Rounding: applied step 2 at step 3 (the skip at step 2 moves nothing),
+  # applied step 4 at step 5; per leaf (the one-block net has few), each
+  # figure a share.
+  assert (first["rounding_step"], second["rounding_step"]) == (2, 4)
   groups = second["rounding"]
   assert LEAF in groups and "['fc']['kernel']" in groups
   assert all(0 <= g["stalled"] <= 1 for g in groups.values())
-  report = out[out.index("rounding at applied step 5") :]
+  report = out[out.index("rounding at applied step 4") :]
   assert LEAF in report and "stalled" in report
   with open(os.path.join(workdir, "rounding_report.txt")) as f:
-    assert f.read().startswith("rounding at applied step 5")
+    assert f.read().startswith("rounding at applied step 4")
   png = os.path.join(workdir, "rounding_stalled.png")
   with open(png, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -101,32 +101,39 @@ def _update(every):
 
 
 def test_figures_match_numpy_and_skip_every_and_rollback():
-  # One compiled step, four calls: measured (applied step 1), not due
-  # (step 2 of every=2), skipped (NaN: nothing moves), measured (step 3).
+  # One compiled step (every=2), five calls: applied step 1 (not due), a
+  # skipped one (NaN: due by count, but nothing moves), applied step 2
+  # (measured), 3 (not due), 4 (measured).
   params = _tree()
   update = _update(2)
   state = _opt(2).init(params)
-  assert int(state.rounding.step) == 0
-  grads = [_grads(params, s) for s in range(3)]
-  grads[0]["e"] = grads[0]["e"].at[:4].set(_NEAR_TINY)
+  grads = [_grads(params, s) for s in range(4)]
+  grads[0]["e"] = grads[0]["e"].at[:4].set(0.0)  # Kept at 1022 * 2**-24,
+  grads[1]["e"] = grads[1]["e"].at[:4].set(_NEAR_TINY)  # then moved.
   _, state = update(grads[0], state, params)
-  first = state.rounding
-  want = _check(first, params, grads[0])
-  assert int(first.step) == 1
-  # The fp16 leaf of values near 1e-6: flushed; some leaves stall.
-  assert want[3][2] > 0.5 and float(first.flushed[3]) > 0.5
-  assert 0 < max(w[0] for w in want) < 1
-  _, state = update(grads[1], state, params)
-  assert int(state.rounding.step) == 1 and int(state.rounding.applied) == 2
-  np.testing.assert_array_equal(state.rounding.stalled, first.stalled)
-  bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads[1])
+  assert int(state.rounding.step) == 0 and int(state.rounding.applied) == 1
+  bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads[2])
   _, state = update(bad, state, params)
-  assert int(state.rounding.applied) == 2  # Rolled back with the step.
+  assert int(state.rounding.step) == 0 and int(state.rounding.applied) == 1
+  np.testing.assert_array_equal(state.rounding.stalled, 0.0)
+  with pytest.raises(ValueError, match="no step measured yet"):
+    jaxmp.rounding_report(state).master_weights()
+  masters = jaxmp.master_params(state, params)
+  _, state = update(grads[1], state, params)
+  first = state.rounding
+  want = _check(first, params, grads[1], masters)
+  assert int(first.step) == 2
+  # The fp16 leaf of values near 1e-6: flushed; some leaves stall.
+  assert want[3][2] > 0.25 and float(first.flushed[3]) > 0.25
+  assert 0 < max(w[0] for w in want) < 1
+  _, state = update(grads[2], state, params)
+  assert int(state.rounding.step) == 2 and int(state.rounding.applied) == 3
+  np.testing.assert_array_equal(state.rounding.stalled, first.stalled)
   np.testing.assert_array_equal(state.rounding.quality, first.quality)
   masters = jaxmp.master_params(state, params)
-  _, state = update(grads[2], state, params)
-  assert int(state.rounding.step) == 3
-  _check(state.rounding, params, grads[2], masters)
+  _, state = update(grads[3], state, params)
+  assert int(state.rounding.step) == 4
+  _check(state.rounding, params, grads[3], masters)
   # Saved and restored with the state: a pytree of arrays and static paths.
   leaves, treedef = jax.tree.flatten(jax.jit(lambda s: s)(state))
   back = jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])

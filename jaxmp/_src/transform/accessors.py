@@ -457,7 +457,7 @@ def rounding_report(opt_state: Any) -> rounding_lib.RoundingReport:
     ValueError: when the optimizer was built without ``rounding_every``.
 
   >>> import jax.numpy as jnp, optax, jaxmp
-  >>> opt = jaxmp.mixed_precision(optax.adam(1e-4), rounding_every=100)
+  >>> opt = jaxmp.mixed_precision(optax.adam(1e-4), rounding_every=1)
   >>> params = {"scale": jnp.ones(4, jnp.bfloat16)}
   >>> state = opt.init(params)
   >>> grads = {"scale": jnp.ones(4, jnp.bfloat16)}

@@ -379,8 +379,8 @@ def mixed_precision(
       momentum) are encoded leaf by leaf; each step decodes them, runs
       ``inner`` in fp32 and encodes the result. `jaxmp.state_summary` lists
       how each leaf is stored. A skipped step leaves the codes bit for bit.
-    rounding_every: ``N > 0`` measures, on the 1st, ``N+1``-th, ... applied
-      step, what each param's half dtype alone loses of its update; read it
+    rounding_every: ``N > 0`` measures, on the ``N``-th, ``2N``-th, ...
+      applied step, what each param's half dtype alone loses of its update; read it
       with `jaxmp.rounding_report`. ``0`` (the default) leaves the state and
       the compiled step exactly as without it.
 

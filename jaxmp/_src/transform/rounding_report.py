@@ -152,7 +152,7 @@ def step(
   """The figures after a step: measured on every ``every``-th applied one.
 
   Args:
-    every: measure the 1st, ``every + 1``-th, ... applied step.
+    every: measure the ``every``-th, ``2 * every``-th, ... applied step.
     figures: the state's figures before the step.
     params: the params before the step.
     updates: the inner optimizer's fp32 updates.
@@ -164,7 +164,7 @@ def step(
   Returns:
     The new `RoundingFigures`.
   """
-  due = applied & (figures.applied % every == 0)
+  due = applied & ((figures.applied + 1) % every == 0)
   old = (figures.stalled, figures.quality, figures.flushed)
 
   def keep(operands):
