@@ -200,7 +200,8 @@ def test_fsdp_and_shard_map_equal_one_device():
   }
   grads = _grads(params, 7)
   opt = _opt(1)
-  _, one = jax.jit(opt.update)(grads, opt.init(params), params)
+  one_update = jax.jit(opt.update)
+  _, one = one_update(grads, opt.init(params), params)
   mesh = jax.make_mesh((4,), ("fsdp",))
   put = lambda t: jax.device_put(t, NamedSharding(mesh, P("fsdp")))
   sp, sg = put(params), put(grads)
@@ -222,7 +223,8 @@ def test_fsdp_and_shard_map_equal_one_device():
   ):
     assert buf.sharding.is_equivalent_to(sp["a"].sharding, 1)
   # shard_map: each device holds a quarter of every param and gradient.
-  sm_opt = _opt(1, axis_name="fsdp")
+  # Every 2nd step: the sums under lax.cond, measured at the second call.
+  sm_opt = _opt(2, axis_name="fsdp")
   state = sm_opt.init(params)
   specs = jax.tree.map(lambda x: P("fsdp") if np.ndim(x) else P(), state)
   specs = specs._replace(rounding=jax.tree.map(lambda _: P(), state.rounding))
@@ -239,7 +241,12 @@ def test_fsdp_and_shard_map_equal_one_device():
   state = jax.device_put(
     state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   )
-  got = jax.jit(step)(sg, state, sp).rounding
+  run = jax.jit(step)
+  state = run(sg, state, sp)
+  assert int(state.rounding.step) == 0
+  got = run(sg, state, sp).rounding
+  assert int(got.step) == 2
+  _, one = one_update(grads, one, params)
   np.testing.assert_array_equal(got.stalled, one.rounding.stalled)
   np.testing.assert_array_equal(got.flushed, one.rounding.flushed)
   np.testing.assert_allclose(got.quality, one.rounding.quality, rtol=1e-5)
