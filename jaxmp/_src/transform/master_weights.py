@@ -393,9 +393,12 @@ def _mode_name(m, where: str) -> str:
   if isinstance(m, (bool, np.bool_)):
     m = "fp32" if m else "none"
   if not (isinstance(m, str) and m in MODES):
+    per_leaf = "" if where else (
+      "; or per leaf, a function (path, param) -> mode or a pytree of modes"
+    )  # fmt: skip
     raise ValueError(
       "master_weights must be True/'fp32', False/'none', 'kahan', "
-      f"'stochastic' or 'remainder'{where}, got {m!r}"
+      f"'stochastic' or 'remainder'{where}, got {m!r}{per_leaf}"
     )
   return m
 
@@ -550,10 +553,11 @@ def get_mode(master_weights, rounding_key=0) -> Mode:
   A function ``(path, param) -> mode`` or a pytree of modes (a prefix of
   the params' tree) chooses a mode per leaf (`PerLeaf`).
   """
-  if callable(master_weights) or not isinstance(
-    master_weights, (str, bool, np.bool_)
-  ):
-    return PerLeaf(master_weights, _host_key(rounding_key))
+  if callable(master_weights) or jax.tree_util.tree_leaves(master_weights) != [
+    master_weights
+  ]:  # A function, or a pytree (not one leaf, not None).
+    if master_weights is not None:
+      return PerLeaf(master_weights, _host_key(rounding_key))
   master_weights = _mode_name(master_weights, "")
   if master_weights == "fp32":
     return Fp32Masters()
