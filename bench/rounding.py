@@ -21,7 +21,8 @@ Run: ``python bench/rounding.py``  (a few minutes on 2 CPU cores)
   (goal: within 0.5%), and the bytes saved (`jaxmp.state_summary`).
 
 Environment: ``BENCH_FILTERS`` (8), ``BENCH_BATCH`` (16), ``BENCH_REPS``
-(30), ``BENCH_PARTS`` (``overhead,per_leaf``).
+(30), ``BENCH_PARTS`` (``overhead,per_leaf``), ``BENCH_MODELS``
+(``resnet,lm``: the overhead's models).
 
 The last lines are ``rounding_every_1_ratio: resnet X, lm Y``,
 ``rounding_every_100_ratio: ...`` and ``per_leaf_loss_ratio: Z``.
@@ -48,6 +49,7 @@ FILTERS = int(os.environ.get("BENCH_FILTERS", "8"))
 BATCH = int(os.environ.get("BENCH_BATCH", "16"))
 REPS = int(os.environ.get("BENCH_REPS", "30"))
 PARTS = os.environ.get("BENCH_PARTS", "overhead,per_leaf").split(",")
+MODELS = os.environ.get("BENCH_MODELS", "resnet,lm").split(",")
 EVERY = (0, 1, 100)
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -200,6 +202,8 @@ def main():
   out = {}
   if "overhead" in PARTS:
     for name, fn in (("resnet", resnet_overhead), ("lm", lm_overhead)):
+      if name not in MODELS:
+        continue
       ratios, times, leaves = fn()
       out[name] = ratios
       print(f"\n{name} ({leaves} leaves): median ms, ratio to off")
