@@ -33,7 +33,7 @@ def _params(remainder_ok=False):
 
 def _run(master_weights, params):
   opt = jaxmp.mixed_precision(
-    optax.adamw(3e-3, weight_decay=0.1),
+    optax.sgd(3e-3, momentum=0.9),
     loss_scale=1.0,
     master_weights=master_weights,
     rounding_key=7,
