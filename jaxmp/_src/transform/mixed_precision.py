@@ -405,7 +405,7 @@ def mixed_precision(
       "optax.inject_hyperparams pass it in static_args"
     )
   mode = masters_lib.get_mode(master_weights, rounding_key)
-  rounding_every = _check_every(rounding_every)
+  rounding_every = rounding_lib.check_every(rounding_every)
   skip_spikes = spikes_lib.check_config(skip_spikes)
   codec = state_codec.get_codec(optimizer_state)
   inner = optax.with_extra_args_support(inner)
@@ -562,14 +562,6 @@ def was_updated(state: MixedPrecisionState) -> bool:
   """Whether ``state`` was given to an ``update`` (it is a pre-update state)."""
   flag = _flag(state)
   return flag is not None and _UPDATED.get(id(flag)) is flag
-
-
-def _check_every(every) -> int:
-  if isinstance(every, (bool, np.bool_)) or not isinstance(
-    every, (int, np.integer)
-  ) or every < 0:  # fmt: skip
-    raise ValueError(f"rounding_every must be an int >= 0, got {every!r}")
-  return int(every)
 
 
 def _check_params(params) -> None:

@@ -75,6 +75,27 @@ class RoundingFigures:
   measured_as: tuple[str, ...]
 
 
+def check_every(every) -> int:
+  """``rounding_every`` as a Python int, checked."""
+  # optax.inject_hyperparams hands numeric defaults over as arrays.
+  try:
+    value = np.asarray(every)
+  except jax.errors.TracerArrayConversionError:
+    value = None  # Traced: it must be static.
+  if (
+    value is None
+    or value.shape
+    or value.dtype == bool
+    or not np.issubdtype(value.dtype, np.integer)
+    or value < 0
+  ):
+    raise ValueError(
+      f"rounding_every must be an int >= 0, got {every!r} (with "
+      "optax.inject_hyperparams pass it in static_args)"
+    )
+  return int(value)
+
+
 def _half_of(p) -> Any:
   return jnp.dtype(p.dtype) if dtypes.is_half(p) else jnp.dtype(jnp.bfloat16)
 
