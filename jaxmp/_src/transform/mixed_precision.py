@@ -434,7 +434,7 @@ def mixed_precision(
       spikes=spikes_lib.init(skip_spikes) if skip_spikes else None,
       remainder=buffers.remainder,
       optimizer_state=codec,
-      rounding=rounding_lib.init(params) if rounding_every else None,
+      rounding=_rounding_init(params, rounding_every),
       master_modes=mode.names(params) if mode.name == "per-leaf" else None,
     )
 
@@ -494,12 +494,11 @@ def mixed_precision(
     )
     new_view = optax.apply_updates(view, inner_updates)
     targets, buffers = mode.targets(params, new_view, buffers, applied)
-    rounding = state.rounding
-    if rounding_every:
+    rounding = state.rounding  # With rounding_every (the period is in it).
+    if rounding is not None:
       rounding = rounding_lib.step(
-        rounding_every, rounding, params, inner_updates, new_view, applied,
-        axis_name,
-      )  # fmt: skip
+        rounding, params, inner_updates, new_view, applied, axis_name
+      )
     updates = _outer_updates(params, inner_updates, targets, applied)
 
     new_scale, counter, overflows, loss_steps, loss_run = _next_counters(
@@ -562,6 +561,15 @@ def was_updated(state: MixedPrecisionState) -> bool:
   """Whether ``state`` was given to an ``update`` (it is a pre-update state)."""
   flag = _flag(state)
   return flag is not None and _UPDATED.get(id(flag)) is flag
+
+
+def _rounding_init(params, every):
+  if every is None:  # Traced in init: optax.inject_hyperparams under jit.
+    raise ValueError(
+      "rounding_every must be static: with optax.inject_hyperparams pass "
+      "it in static_args"
+    )
+  return rounding_lib.init(params, every) if every else None
 
 
 def _check_params(params) -> None:

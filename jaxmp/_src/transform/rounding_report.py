@@ -47,7 +47,7 @@ _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 @functools.partial(
   jax.tree_util.register_dataclass,
   data_fields=["applied", "step", "stalled", "quality", "flushed"],
-  meta_fields=["paths", "dtypes", "measured_as"],
+  meta_fields=["every", "paths", "dtypes", "measured_as"],
 )
 @dataclasses.dataclass(frozen=True)
 class RoundingFigures:
@@ -60,6 +60,7 @@ class RoundingFigures:
     stalled: fp32[n], the share of updated elements the half dtype loses.
     quality: fp32[n], ``<cast(h + u) - h, u> / <u, u>`` (1 with no update).
     flushed: fp32[n], the share of nonzero masters held as zero/subnormal.
+    every: static, the period ``N`` of ``rounding_every``.
     paths: static, ``jax.tree_util.keystr`` of each param leaf.
     dtypes: static, each param's dtype name.
     measured_as: static, the half dtype each leaf is measured in.
@@ -70,21 +71,22 @@ class RoundingFigures:
   stalled: jax.Array
   quality: jax.Array
   flushed: jax.Array
+  every: int
   paths: tuple[str, ...]
   dtypes: tuple[str, ...]
   measured_as: tuple[str, ...]
 
 
 def check_every(every) -> int:
-  """``rounding_every`` as a Python int, checked."""
-  # optax.inject_hyperparams hands numeric defaults over as arrays.
+  """``rounding_every`` as a Python int, checked; ``None`` when traced."""
+  # optax.inject_hyperparams hands numeric defaults over as arrays, traced
+  # in ``update``: ``None`` there, where the state's figures say it.
   try:
     value = np.asarray(every)
   except jax.errors.TracerArrayConversionError:
-    value = None  # Traced: it must be static.
+    return None
   if (
-    value is None
-    or value.shape
+    value.shape
     or value.dtype == bool
     or not np.issubdtype(value.dtype, np.integer)
     or value < 0
@@ -100,8 +102,8 @@ def _half_of(p) -> Any:
   return jnp.dtype(p.dtype) if dtypes.is_half(p) else jnp.dtype(jnp.bfloat16)
 
 
-def init(params) -> RoundingFigures:
-  """Figures for ``params``, nothing measured yet."""
+def init(params, every: int) -> RoundingFigures:
+  """Figures for ``params``, measured every ``every`` applied steps."""
   pairs = jax.tree_util.tree_flatten_with_path(params)[0]
   n = len(pairs)
   return RoundingFigures(
@@ -110,6 +112,7 @@ def init(params) -> RoundingFigures:
     stalled=jnp.zeros([n], jnp.float32),
     quality=jnp.ones([n], jnp.float32),
     flushed=jnp.zeros([n], jnp.float32),
+    every=every,
     paths=tuple(jax.tree_util.keystr(k) for k, _ in pairs),
     dtypes=tuple(jnp.dtype(p.dtype).name for _, p in pairs),
     measured_as=tuple(_half_of(p).name for _, p in pairs),
@@ -162,7 +165,6 @@ def measure(params, updates, masters, axis_name=None):
 
 
 def step(
-  every: int,
   figures: RoundingFigures,
   params,
   updates,
@@ -173,8 +175,8 @@ def step(
   """The figures after a step: measured on every ``every``-th applied one.
 
   Args:
-    every: measure the ``every``-th, ``2 * every``-th, ... applied step.
-    figures: the state's figures before the step.
+    figures: the state's figures before the step; measured on the
+      ``every``-th, ``2 * every``-th, ... applied step.
     params: the params before the step.
     updates: the inner optimizer's fp32 updates.
     masters: the fp32 values after the step (the new masters, or the
@@ -185,6 +187,7 @@ def step(
   Returns:
     The new `RoundingFigures`.
   """
+  every = figures.every
   due = applied & ((figures.applied + 1) % every == 0)
   old = (figures.stalled, figures.quality, figures.flushed)
 
