@@ -155,7 +155,8 @@ def test_off_is_todays_state_and_step():
   # Under optax.inject_hyperparams the period, traced in update, is the
   # state's.
   inject = optax.inject_hyperparams(
-    jaxmp.mixed_precision, static_args=("loss_scale",)
+    jaxmp.mixed_precision,
+    static_args=("loss_scale", "max_loss_scale", "hysteresis"),
   )(optax.sgd(LR), loss_scale=1.0, rounding_every=1)
   _, s2 = jax.jit(inject.update)(params, inject.init(params), params)
   assert int(jaxmp.find_state(s2).rounding.step) == 1
