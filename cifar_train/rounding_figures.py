@@ -69,7 +69,7 @@ def plot(records: list[dict], workdir: str) -> str:
 
   rows = [r for r in records if r.get("rounding")]
   names = sorted({n for r in rows for n in r["rounding"]})
-  fig, ax = plt.subplots(figsize=(8, 4.2))
+  fig, ax = plt.subplots(figsize=(10, 4.2))
   for name in names:
     points = [
       (r["step"], 100 * r["rounding"][name]["stalled"])
@@ -82,7 +82,12 @@ def plot(records: list[dict], workdir: str) -> str:
   ax.set_ylabel("stalled, % of updated elements")
   ax.grid(alpha=0.3)
   if names:
-    ax.legend(fontsize=6, ncol=2 if len(names) > 12 else 1)
+    ax.legend(
+      fontsize=6,
+      ncol=2 if len(names) > 16 else 1,
+      loc="upper left",
+      bbox_to_anchor=(1.01, 1.0),
+    )
   fig.tight_layout()
   path = os.path.join(workdir, PLOT_NAME)
   fig.savefig(path + ".tmp.png", dpi=90)

@@ -331,7 +331,10 @@ class RoundingReport(list):
     return out
 
   def __str__(self) -> str:
-    """A header, then one line per leaf, worst first."""
+    """A header, then one line per leaf, worst first.
+
+    The ``as`` column is the half dtype measured (bf16 for an fp32 param).
+    """
     if not self.step:
       return f"rounding: no step measured yet ({len(self)} leaves)"
     needy = [r for r in self if r.master_weights != "none"]
@@ -341,7 +344,7 @@ class RoundingReport(list):
     )
     lines = [
       head,
-      f"{'stalled':>8} {'quality':>8} {'flushed':>8} {'dtype':>5}  path: advice",
+      f"{'stalled':>8} {'quality':>8} {'flushed':>8} {'as':>5}  path: advice",
     ]
     for r in self[: self.max_rows]:
       d = _SHORT.get(r.measured_as, r.measured_as)
