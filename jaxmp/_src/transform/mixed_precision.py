@@ -380,9 +380,9 @@ def mixed_precision(
       ``inner`` in fp32 and encodes the result. `jaxmp.state_summary` lists
       how each leaf is stored. A skipped step leaves the codes bit for bit.
     rounding_every: ``N > 0`` measures, on the ``N``-th, ``2N``-th, ...
-      applied step, what each param's half dtype alone loses of its update; read it
-      with `jaxmp.rounding_report`. ``0`` (the default) leaves the state and
-      the compiled step exactly as without it.
+      applied step, what each param's half dtype alone loses of its update;
+      read it with `jaxmp.rounding_report`. ``0`` (the default) leaves the
+      state and the compiled step exactly as without it.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; extra args go to ``inner``.
