@@ -208,10 +208,8 @@ def main():
       out[name] = ratios
       print(f"\n{name} ({leaves} leaves): median ms, ratio to off")
       for every in EVERY:
-        print(
-          f"rounding_every={every:<4} {statistics.median(times[every]) * 1e3:8.2f}"
-          f" ms  {ratios[every]:.3f}"
-        )
+        ms = statistics.median(times[every]) * 1e3
+        print(f"rounding_every={every:<4} {ms:8.2f} ms  {ratios[every]:.3f}")
   loss_ratio = per_leaf() if "per_leaf" in PARTS else None
   for every in (1, 100):
     if out:

@@ -1,4 +1,4 @@
-"""``master_weights`` per leaf: each leaf bit for bit as under its mode alone."""
+"""``master_weights`` per leaf: each leaf bit for bit as under its own mode."""
 
 import jax
 import jax.numpy as jnp
