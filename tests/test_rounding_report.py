@@ -169,6 +169,7 @@ def test_known_failures_and_advice():
     "scale": jnp.ones(8, jnp.bfloat16),
     "w": jnp.full(8, 1e-3, jnp.bfloat16),
     "f": jnp.ones(8, jnp.float32),
+    "tiny": jnp.full(8, 1e-6, jnp.float16),  # fp16 subnormals
   }
   opt = jaxmp.mixed_precision(
     optax.adamw(1e-4, weight_decay=1e-2), loss_scale=1.0, rounding_every=1
@@ -178,6 +179,7 @@ def test_known_failures_and_advice():
     "scale": jnp.ones(8, jnp.bfloat16),
     "w": jnp.ones(8, jnp.bfloat16),
     "f": jnp.zeros(8, jnp.float32),
+    "tiny": jnp.zeros(8, jnp.float16),
   }
   _, state = jax.jit(opt.update)(grads, state, params)
   report = jaxmp.rounding_report(state)
@@ -191,6 +193,10 @@ def test_known_failures_and_advice():
   # 1e-3 moves by ~1e-4 (10% of it): bf16 keeps it.
   assert rows["['w']"].stalled == 0.0
   assert rows["['w']"].advice == "bf16 alone keeps its updates"
+  # fp16 holds the tiny leaf's masters as subnormals: fp32 masters.
+  assert rows["['tiny']"].flushed == 1.0
+  assert rows["['tiny']"].master_weights == "fp32"
+  assert rows["['tiny']"].advice.startswith("fp32 masters: fp16 holds 100%")
   assert report[-1].path == "['w']" and report.step == 1
   assert "scale" in str(report) and "stalled" in str(report)
   choice = report.master_weights()
