@@ -117,6 +117,7 @@ def make_optimizer(
     seed=s.seed,
     diagnostics=s.diagnostics,
     skip_spikes=s.skip_spikes,
+    rounding_every=s.rounding_every,
   )
 
 

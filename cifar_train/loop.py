@@ -123,6 +123,9 @@ def _log_step(job: Job, state, metrics, step: int, reporter) -> None:
       }
     ),
     worst_leaf=worst_leaf(state.opt_state, metrics) if s.diagnostics else None,
+    rounding=(
+      jaxmp.rounding_report(state.opt_state) if s.rounding_every else None
+    ),
   )
   try:
     jaxmp.check_health(
@@ -274,6 +277,8 @@ def finish(
     "state_fingerprint": steps.state_fingerprint(state),
     "config": config_record,
   }
+  if job.settings.rounding_every:
+    reporter.log_rounding(jaxmp.rounding_report(state.opt_state))
   reporter.finish(summary)
   logging.info(
     "done: %s", json.dumps({k: v for k, v in summary.items() if k != "config"})

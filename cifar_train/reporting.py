@@ -2,7 +2,8 @@
 
 Only process 0 writes. Files in ``workdir``: ``metrics.jsonl`` (one JSON object
 per epoch), ``steps.jsonl`` (loss, accuracy so far, loss scale and skips on log steps),
-``summary.json``, TensorBoard event files under ``tb/`` and ``plots.png``.
+``summary.json``, TensorBoard event files under ``tb/`` and ``plots.png``;
+with ``rounding_every``, ``rounding_report.txt`` and ``rounding_stalled.png``.
 """
 
 import json
@@ -13,6 +14,7 @@ from typing import Any, Optional
 
 import jax
 
+from cifar_train import rounding_figures
 from cifar_train.errors import WorkdirError
 
 
@@ -138,7 +140,11 @@ class Reporter:
       self._bar.n = step
 
   def log_step(
-    self, step: int, stats: dict, worst_leaf: Optional[tuple[str, int]] = None
+    self,
+    step: int,
+    stats: dict,
+    worst_leaf: Optional[tuple[str, int]] = None,
+    rounding: Optional[Any] = None,
   ) -> None:
     """Records a log step in steps.jsonl and TensorBoard.
 
@@ -156,6 +162,8 @@ class Reporter:
         and ``spike_skips`` are optional.
       worst_leaf: ``(path, non-finite count)`` of the last skipped step's
         worst leaf (`jaxmp.overflow_report`), or None.
+      rounding: a `jaxmp.rounding_report`, recorded per leaf or layer
+        group (`rounding_figures.groups`) with the applied step measured.
     """
     if not self.is_main:
       return
@@ -168,6 +176,9 @@ class Reporter:
     self._report_spikes(record, int(stats.get("spike_skips", 0)), last)
     if record["skipped_since_last_log"] > 0:
       self._report_skips(record, last, worst_leaf)
+    if rounding is not None and rounding.step:
+      record["rounding_step"] = rounding.step
+      record["rounding"] = rounding_figures.groups(rounding)
     self.steps.append(record)
     with open(os.path.join(self.workdir, "steps.jsonl"), "a") as f:
       f.write(json.dumps(record) + "\n")
@@ -292,6 +303,17 @@ class Reporter:
         self._tb.add_scalar(key, record[key], step)
       self._tb.flush()
 
+  def log_rounding(self, report: Any) -> None:
+    """Writes a final `jaxmp.rounding_report` to the log and the workdir."""
+    if not self.is_main:
+      return
+    text = str(report)
+    for line in text.splitlines():
+      self._write_line(line)
+    _atomic_write(
+      os.path.join(self.workdir, "rounding_report.txt"), text + "\n"
+    )
+
   def finish(self, summary: dict) -> None:
     """Prints the test line, writes summary.json and plots.png."""
     if not self.is_main:
@@ -310,6 +332,8 @@ class Reporter:
     )
     self.close()
     self.plot()
+    if any(r.get("rounding") for r in self.steps):
+      rounding_figures.plot(self.steps, self.workdir)
 
   def plot_series(self) -> dict[str, tuple[list, list]]:
     """What `plot` draws: ``{name: (steps, values)}``.

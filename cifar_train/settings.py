@@ -92,6 +92,7 @@ class Settings:
   max_nonfinite_loss_steps: int
   skip_spikes: Optional[jaxmp.SpikeSkip]  # spike_skip_window/_factor
   diagnostics: bool
+  rounding_every: int  # jaxmp.rounding_report's measure period; 0 = off.
   dataset: str
   data_dir: str
   mean: tuple[float, float, float]
@@ -278,6 +279,13 @@ def _auto_or_count(config, key: str) -> Any:
   return count
 
 
+def _rounding_every(config) -> int:
+  every = config.rounding_every
+  if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+    raise ConfigError(f"rounding_every must be an int >= 0, got {every!r}")
+  return every
+
+
 def _skip_spikes(config) -> Optional[jaxmp.SpikeSkip]:
   """``config.spike_skip_window``/``_factor`` as a `jaxmp.SpikeSkip` (0: off)."""
   window = config.spike_skip_window
@@ -352,6 +360,7 @@ def resolve(config: ml_collections.ConfigDict) -> Settings:
     max_nonfinite_loss_steps=int(config.max_nonfinite_loss_steps),
     skip_spikes=_skip_spikes(config),
     diagnostics=bool(config.diagnostics),
+    rounding_every=_rounding_every(config),
     dataset=dataset,
     data_dir=config.data_dir,
     mean=tuple(float(m) for m in config.mean),

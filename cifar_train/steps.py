@@ -140,6 +140,7 @@ def create_optimizer(
   seed: int = 0,
   diagnostics: bool = False,
   skip_spikes: Optional[jaxmp.SpikeSkip] = None,
+  rounding_every: int = 0,
 ) -> optax.GradientTransformation:
   """SGD with momentum and coupled weight decay (torch.optim.SGD), wrapped.
 
@@ -149,7 +150,9 @@ def create_optimizer(
   ``seed`` keys the rounding of ``master_weights="stochastic"``;
   ``diagnostics`` keeps
   jaxmp's per-leaf gradient report (`jaxmp.overflow_report`);
-  ``skip_spikes`` drops loss and gradient-norm spikes (`jaxmp.SpikeSkip`).
+  ``skip_spikes`` drops loss and gradient-norm spikes (`jaxmp.SpikeSkip`);
+  ``rounding_every`` measures what rounding costs each layer
+  (`jaxmp.rounding_report`).
   """
   inner = optax.chain(
     optax.add_decayed_weights(weight_decay),
@@ -165,6 +168,7 @@ def create_optimizer(
     rounding_key=seed,
     diagnostics=diagnostics,
     skip_spikes=skip_spikes,
+    rounding_every=rounding_every,
   )
 
 

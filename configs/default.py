@@ -77,6 +77,11 @@ def get_config() -> ml_collections.ConfigDict:
   # autocast's debug mode: a warning names the first op whose fp16 output
   # overflowed in the forward pass.
   config.diagnostics = False
+  # Every N-th applied step, measure what each layer's half dtype alone
+  # loses of its update (jaxmp.rounding_report; 0 = off): steps.jsonl gets
+  # the figures at log steps, the log the final report, the workdir
+  # rounding_stalled.png (docs/guides/master_weights.md).
+  config.rounding_every = 0
 
   # Data.
   config.dataset = "cifar10"  # cifar10, cifar100, image_folder, synthetic.

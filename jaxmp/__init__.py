@@ -19,6 +19,7 @@ from jaxmp._src.transform.accessors import master_params
 from jaxmp._src.transform.accessors import NonFiniteLossError
 from jaxmp._src.transform.accessors import overflow_report
 from jaxmp._src.transform.accessors import rollback_if_skipped
+from jaxmp._src.transform.accessors import rounding_report
 from jaxmp._src.transform.accessors import scale_loss
 from jaxmp._src.transform.accessors import SpikeStallError
 from jaxmp._src.transform.accessors import state_summary
@@ -85,6 +86,7 @@ __all__ = (
   "reduction_report",
   "ReductionReport",
   "rollback_if_skipped",
+  "rounding_report",
   "scale_loss",
   "SpikeSkip",
   "SpikeStallError",

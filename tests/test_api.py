@@ -54,6 +54,7 @@ PUBLIC = {
     "reduction_report",
     "ReductionReport",
     "rollback_if_skipped",
+    "rounding_report",
     "scale_loss",
     "SpikeSkip",
     "SpikeStallError",

@@ -8,9 +8,11 @@ at once to keep the suite fast.
 import json
 import os
 import re
+import types
 
 from _helpers import one_block_models
 from cifar_train import cli
+from cifar_train import rounding_figures
 
 LEAF = "['layer1_0']['conv2']['kernel']"
 LEAF_SIZE = 3 * 3 * 4 * 4  # num_filters=4: layer1 has 4 channels.
@@ -34,6 +36,7 @@ def test_overflow_names_its_leaf_and_auto_scale_trains(
     inject_overflow_leaf="layer1_0/conv2/kernel",
     log_every_steps=3,  # The overflow at step 2 is between log steps.
     data_on_device=True,  # Calibrates on the batch gathered on the device.
+    rounding_every=2,  # Measures applied steps 2 and 4 (steps 3 and 5).
   )
   assert cli.run(config, workdir, data=tiny_data) == 0
   out = capsys.readouterr().out
@@ -58,11 +61,39 @@ def test_overflow_names_its_leaf_and_auto_scale_trains(
   assert first["worst_leaf_nonfinite"] == LEAF_SIZE
   assert first["loss_scale"] == scale / 2
   assert second["skipped_since_last_log"] == 0 and "worst_leaf" not in second
+  # Rounding: applied step 2 at step 3 (the skip at step 2 moves nothing),
+  # applied step 4 at step 5; per leaf (the one-block net has few), each
+  # figure a share.
+  assert (first["rounding_step"], second["rounding_step"]) == (2, 4)
+  groups = second["rounding"]
+  assert LEAF in groups and "['fc']['kernel']" in groups
+  assert all(0 <= g["stalled"] <= 1 for g in groups.values())
+  report = out[out.index("rounding at applied step 4") :]
+  assert LEAF in report and "stalled" in report
+  with open(os.path.join(workdir, "rounding_report.txt")) as f:
+    assert f.read().startswith("rounding at applied step 4")
+  png = os.path.join(workdir, "rounding_stalled.png")
+  with open(png, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
   assert summary["steps"] == 6 and summary["config"]["init_loss_scale"] == (
     "auto"
   )
+
+
+def test_rounding_groups_are_layers_where_leaves_are_many():
+  rows = [
+    types.SimpleNamespace(path=f"['layer{i % 3}']['c{i}']['kernel']",
+                          stalled=i / 40, quality=1 - i / 80, flushed=0.0)
+    for i in range(30)
+  ]  # fmt: skip
+  groups = rounding_figures.groups(rows)
+  assert sorted(groups) == ["layer0", "layer1", "layer2"]
+  # The worst of each group: layer2's leaves are 2, 5, ..., 29.
+  assert groups["layer2"] == {"stalled": 29 / 40, "quality": 1 - 29 / 80,
+                              "flushed": 0.0}  # fmt: skip
+  assert len(rounding_figures.groups(rows[:24])) == 24
 
 
 def test_nan_data_stops_with_one_line_and_keeps_the_scale(

@@ -20,6 +20,7 @@ from jaxmp._src.transform import master_weights as masters_lib
 from jaxmp._src.transform import mixed_precision as mp
 from jaxmp._src import nnx_support
 from jaxmp._src.transform import placement
+from jaxmp._src.transform import rounding_report as rounding_lib
 from jaxmp._src.transform import state_codec
 from jaxmp._src.scaling import unscaled
 
@@ -298,11 +299,26 @@ def state_summary(opt_state: Any) -> "StateSummary":
   """
   state = find_state(opt_state)
   codec = getattr(state, "optimizer_state", None)
-  return StateSummary(state_codec.summary_rows(state, codec))
+  out = StateSummary(state_codec.summary_rows(state, codec))
+  modes = getattr(state, "master_modes", None)
+  if modes is not None:
+    out.master_modes = {path: m for path, m, _ in modes.names}
+    out.masters_saved = modes.saved()
+  return out
 
 
 class StateSummary(list):
-  """The rows of `state_summary`; ``nbytes`` sums them, ``str`` is a table."""
+  """The rows of `state_summary`; ``nbytes`` sums them, ``str`` is a table.
+
+  Attributes:
+    master_modes: with per-leaf ``master_weights``, each param's mode by
+      path; ``None`` with one mode for all.
+    masters_saved: with per-leaf ``master_weights``, the bytes saved against
+      fp32 masters for every half param; 0 otherwise.
+  """
+
+  master_modes: Optional[dict] = None
+  masters_saved: int = 0
 
   @property
   def nbytes(self) -> int:
@@ -315,6 +331,15 @@ class StateSummary(list):
       f"{r.path:<48} {str(r.shape):<16} {r.stored:<9} {r.nbytes:>10}  {r.note}"
       for r in self
     ]
+    if self.master_modes is not None:
+      counts = {}
+      for m in self.master_modes.values():
+        counts[m] = counts.get(m, 0) + 1
+      modes = ", ".join(f"{n} {m}" for m, n in sorted(counts.items()))
+      lines.append(
+        f"master weights per leaf ({modes}): {self.masters_saved} bytes saved "
+        "against fp32 masters everywhere"
+      )
     return "\n".join(lines + [f"total {self.nbytes} bytes"])
 
 
@@ -403,6 +428,53 @@ def overflow_report(opt_state: Any) -> diag.OverflowReport:
     loss_finite = not int(_host(state.consecutive_nonfinite_loss))
   host = diag.GradDiagnostics(nonfinite, max_abs, zero, d.paths)
   return diag.report(host, loss_finite=loss_finite)
+
+
+def rounding_report(opt_state: Any) -> rounding_lib.RoundingReport:
+  """Returns what rounding cost each param leaf at the last measured step.
+
+  Needs ``jaxmp.mixed_precision(..., rounding_every=N)``: every N-th
+  applied step the jitted update measures, per leaf, what the param's half
+  dtype alone makes of its fp32 update ``u`` (an fp32 param: bfloat16).
+  Host-side: it fetches three small arrays (one entry per param leaf).
+
+  Args:
+    opt_state: the optax state holding a `mixed_precision` state (also
+      inside ``optax.chain``, `jaxmp.multi_steps` or ``shard_map``'s output).
+
+  Returns:
+    A list of rows, worst first (the largest of ``stalled``, ``flushed``
+    and ``|1 - quality|``), each with, as attributes and keys: ``path``;
+    ``stalled``, the share of updated elements with ``cast(h + u) == h``;
+    ``quality``, ``<cast(h + u) - h, u> / <u, u>``; ``flushed``, the share
+    of nonzero fp32 masters the half dtype holds as zero or subnormal;
+    ``step``, the applied step measured (1 for the first, 0 for none yet);
+    ``advice``; ``master_weights``, the mode the advice names. Its ``str``
+    is a table; ``master_weights()`` gives the per-leaf choice for
+    ``mixed_precision(master_weights=...)``.
+
+  Raises:
+    ValueError: when the optimizer was built without ``rounding_every``.
+
+  >>> import jax.numpy as jnp, optax, jaxmp
+  >>> opt = jaxmp.mixed_precision(optax.adam(1e-4), rounding_every=1)
+  >>> params = {"scale": jnp.ones(4, jnp.bfloat16)}
+  >>> state = opt.init(params)
+  >>> grads = {"scale": jnp.ones(4, jnp.bfloat16)}
+  >>> _, state = opt.update(grads, state, params)
+  >>> row = jaxmp.rounding_report(state)[0]
+  >>> row.path, row.stalled, row.master_weights
+  ("['scale']", 1.0, 'remainder')
+  """
+  state = find_state(opt_state)
+  figures = getattr(state, "rounding", None)
+  if figures is None:
+    raise ValueError(
+      "no rounding figures in this state: build the optimizer with "
+      "jaxmp.mixed_precision(..., rounding_every=N) (N > 0: every N-th "
+      "applied step is measured)"
+    )
+  return rounding_lib.report(figures, host=_host)
 
 
 def rollback_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:

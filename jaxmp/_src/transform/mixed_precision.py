@@ -46,6 +46,7 @@ from jaxmp._src import nnx_support
 from jaxmp._src.scaling import loss_scale as loss_scale_lib
 from jaxmp._src.transform import master_weights as masters_lib
 from jaxmp._src.transform import placement
+from jaxmp._src.transform import rounding_report as rounding_lib
 from jaxmp._src.scaling import spikes as spikes_lib
 from jaxmp._src.transform import sharding as sharding_lib
 from jaxmp._src.transform import state_codec
@@ -108,6 +109,10 @@ class MixedPrecisionState(NamedTuple):
     optimizer_state: static: the `jaxmp.StateQuantization` that encodes
       ``inner_state``'s param-shaped leaves, ``None`` for fp32 state (no
       leaf).
+    rounding: with ``rounding_every``, the per-leaf rounding figures of the
+      last measured step (see `jaxmp.rounding_report`); ``None`` otherwise.
+    master_modes: with per-leaf ``master_weights``, static: each param's
+      mode (see `jaxmp.state_summary`); ``None`` otherwise.
   """
 
   inner_state: optax.OptState
@@ -126,6 +131,8 @@ class MixedPrecisionState(NamedTuple):
   spikes: Optional[spikes_lib.SpikeState] = None
   remainder: Any = None
   optimizer_state: Optional[StateQuantization] = None
+  rounding: Optional[rounding_lib.RoundingFigures] = None
+  master_modes: Optional[masters_lib.LeafModeNames] = None
 
   @property
   def grads_finite(self) -> jax.Array:
@@ -215,6 +222,7 @@ def mixed_precision(
   rounding_key: Union[int, jax.Array] = 0,
   skip_spikes: Optional[spikes_lib.SpikeSkip] = None,
   optimizer_state: Union[str, StateQuantization] = "fp32",
+  rounding_every: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer with FP32 master params and loss scaling.
 
@@ -344,7 +352,9 @@ def mixed_precision(
     master_weights: how half-precision params keep their fp32 updates:
       ``True``/``"fp32"`` (fp32 masters), ``"kahan"``, ``"stochastic"``,
       ``"remainder"`` (exact fp32 masters in 2 bytes, bfloat16 params) or
-      ``False``/``"none"`` (Apex O3, the plain half update); see above.
+      ``False``/``"none"`` (Apex O3, the plain half update); see above. Or
+      per leaf: a function ``(path, param) -> mode`` or a pytree of modes
+      (`jaxmp.rounding_report` can choose), each leaf as under its mode.
     axis_name: name of a mapped axis (``shard_map``/``pmap``) over which the
       finite flag is reduced, so that every device skips together. Not needed
       under ``jit`` with sharded arrays: the check is global there. Under
@@ -370,6 +380,10 @@ def mixed_precision(
       momentum) are encoded leaf by leaf; each step decodes them, runs
       ``inner`` in fp32 and encodes the result. `jaxmp.state_summary` lists
       how each leaf is stored. A skipped step leaves the codes bit for bit.
+    rounding_every: ``N > 0`` measures, on the ``N``-th, ``2N``-th, ...
+      applied step, what each param's half dtype alone loses of its update;
+      read it with `jaxmp.rounding_report`. ``0`` (the default) leaves the
+      state and the compiled step exactly as without it.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; extra args go to ``inner``.
@@ -392,6 +406,7 @@ def mixed_precision(
       "optax.inject_hyperparams pass it in static_args"
     )
   mode = masters_lib.get_mode(master_weights, rounding_key)
+  rounding_every = rounding_lib.check_every(rounding_every)
   skip_spikes = spikes_lib.check_config(skip_spikes)
   codec = state_codec.get_codec(optimizer_state)
   inner = optax.with_extra_args_support(inner)
@@ -420,6 +435,8 @@ def mixed_precision(
       spikes=spikes_lib.init(skip_spikes) if skip_spikes else None,
       remainder=buffers.remainder,
       optimizer_state=codec,
+      rounding=_rounding_init(params, rounding_every),
+      master_modes=mode.names(params) if mode.name == "per-leaf" else None,
     )
 
   def init_fn(params):
@@ -492,9 +509,13 @@ def mixed_precision(
       inner_state,
       state.inner_state,
     )
-    targets, buffers = mode.targets(
-      params, optax.apply_updates(view, inner_updates), buffers, applied
-    )
+    new_view = optax.apply_updates(view, inner_updates)
+    targets, buffers = mode.targets(params, new_view, buffers, applied)
+    rounding = state.rounding  # With rounding_every (the period is in it).
+    if rounding is not None:
+      rounding = rounding_lib.step(
+        rounding, params, inner_updates, new_view, applied, axis_name
+      )
     updates = _outer_updates(params, inner_updates, targets, applied)
 
     new_scale, counter, overflows, loss_steps, loss_run = _next_counters(
@@ -525,6 +546,8 @@ def mixed_precision(
       spikes=spikes,
       remainder=buffers.remainder,
       optimizer_state=codec,
+      rounding=rounding,
+      master_modes=state.master_modes,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -555,6 +578,15 @@ def was_updated(state: MixedPrecisionState) -> bool:
   """Whether ``state`` was given to an ``update`` (it is a pre-update state)."""
   flag = _flag(state)
   return flag is not None and _UPDATED.get(id(flag)) is flag
+
+
+def _rounding_init(params, every):
+  if every is None:  # Traced in init: optax.inject_hyperparams under jit.
+    raise ValueError(
+      "rounding_every must be static: with optax.inject_hyperparams pass "
+      "it in static_args"
+    )
+  return rounding_lib.init(params, every) if every else None
 
 
 def _check_params(params) -> None:
@@ -661,17 +693,15 @@ def _next_counters(config, state, grads_finite, loss_finite):
 
 
 def full_view(params, state: MixedPrecisionState):
-  """The fp32 view of ``params`` that the state keeps.
+  """The fp32 view of ``params`` that the state keeps, leaf by leaf.
 
   The masters, ``param + compensation`` (Kahan), the param joined with its
   remainder, or the upcast param.
   """
-  remainder = getattr(state, "remainder", None)
   buffers = masters_lib.Buffers(
-    state.master_params, state.compensation, state.rounding_key, remainder
+    state.master_params,
+    state.compensation,
+    None,
+    getattr(state, "remainder", None),
   )
-  if remainder is not None:
-    return masters_lib.Remainder().view(params, buffers)
-  if state.compensation is not None:
-    return masters_lib.Kahan().view(params, buffers)
-  return masters_lib.Fp32Masters().view(params, buffers)
+  return masters_lib.full_view(params, buffers)
