@@ -435,7 +435,7 @@ def mixed_precision(
       spikes=spikes_lib.init(skip_spikes) if skip_spikes else None,
       remainder=buffers.remainder,
       optimizer_state=codec,
-      rounding=_rounding_init(params, rounding_every),
+      rounding=rounding_lib.init(params, rounding_every),
       master_modes=mode.names(params) if mode.name == "per-leaf" else None,
     )
 
@@ -578,15 +578,6 @@ def was_updated(state: MixedPrecisionState) -> bool:
   """Whether ``state`` was given to an ``update`` (it is a pre-update state)."""
   flag = _flag(state)
   return flag is not None and _UPDATED.get(id(flag)) is flag
-
-
-def _rounding_init(params, every):
-  if every is None:  # Traced in init: optax.inject_hyperparams under jit.
-    raise ValueError(
-      "rounding_every must be static: with optax.inject_hyperparams pass "
-      "it in static_args"
-    )
-  return rounding_lib.init(params, every) if every else None
 
 
 def _check_params(params) -> None:

@@ -102,8 +102,18 @@ def _half_of(p) -> Any:
   return jnp.dtype(p.dtype) if dtypes.is_half(p) else jnp.dtype(jnp.bfloat16)
 
 
-def init(params, every: int) -> RoundingFigures:
-  """Figures for ``params``, measured every ``every`` applied steps."""
+def init(params, every) -> Optional[RoundingFigures]:
+  """Figures for ``params``, measured every ``every`` applied steps.
+
+  ``None`` for ``every=0`` (off); a ``ValueError`` for a traced ``every``.
+  """
+  if every is None:  # Traced in init: optax.inject_hyperparams under jit.
+    raise ValueError(
+      "rounding_every must be static: with optax.inject_hyperparams pass "
+      "it in static_args"
+    )
+  if not every:
+    return None
   pairs = jax.tree_util.tree_flatten_with_path(params)[0]
   n = len(pairs)
   return RoundingFigures(
