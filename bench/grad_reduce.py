@@ -18,8 +18,9 @@ its first axis that splits), on 8 forced CPU devices. For each mode
 * **time**: the step's median time against ``native``'s, interleaved
   (CPU, informational: XLA:CPU computes half collectives in fp32).
 * **ring error**: the gradients of each device's own batch slice (its fp32
-  partials, from a ``shard_map`` over the devices, multiplied by the loss
-  scale as in training), summed as a GPU ring all-reduce would sum them in
+  partials, computed slice by slice; for fp16 multiplied by the largest
+  power of 2 that leaves every partial finite, as a dynamic loss scale
+  would), summed as a GPU ring all-reduce would sum them in
   each mode -- ``native``: each partial rounded to the half dtype and every
   hop's add rounded to it; ``half_wire``: partials sent in half, adds in
   fp32, the sum rounded to half once for the gather; ``fp32``: fp32 all
@@ -172,7 +173,11 @@ def local_partials(loss, params, batch, n, scale):
     for i in range(n)
   ]
   parts = [jax.device_get(grad(params, b)) for b in slices]
-  return jax.tree.map(lambda *g: np.stack(g) * scale, *parts)
+  stacked = jax.tree.map(lambda *g: np.stack(g), *parts)
+  if scale is None:  # fp16: the largest power of 2 that no partial overflows
+    top = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(stacked))
+    scale = 2.0 ** np.floor(np.log2(float(jnp.finfo(jnp.float16).max) / top))
+  return jax.tree.map(lambda g: g * scale, stacked), scale
 
 
 def ring_sum(partials: np.ndarray, mode: str, half) -> np.ndarray:
@@ -256,16 +261,16 @@ def run_case(name, spec, kind, reps):
   native = statistics.median(times["native"])
   for mode in MODES:
     rows[mode].append(statistics.median(times[mode]) / native)
-  partials = local_partials(
+  partials, ring_scale = local_partials(
     autocast_loss(loss, name, model, "fp32"),
     jax.device_get(params),
     jax.device_get(batch),
     len(jax.devices()),
-    scale,
+    None if half == jnp.float16 else 1.0,
   )
   errors = ring_errors(partials, half)
   for mode in MODES:
-    rows[mode] += list(errors[mode])
+    rows[mode] += list(errors[mode]) + [ring_scale]
   return rows
 
 
@@ -289,10 +294,10 @@ def main():
     for kind in ("DP", "FSDP"):
       rows = run_case(name, spec, kind, args.reps)
       for mode in MODES:
-        sent, half, ratio, err, over = rows[mode]
+        sent, half, ratio, err, over, ring_scale = rows[mode]
         print(
           f"| {name} | {kind} | `{mode}` | {sent:,.0f} | {half:,.0f} | "
-          f"{ratio:.2f} | {err:.1e} | {over} |"
+          f"{ratio:.2f} | {err:.1e} | {over} (x{ring_scale:g}) |"
         )
       if name.startswith("ResNet") and kind == "DP":
         last = rows["native"][3] / max(rows["fp32"][3], 1e-30)

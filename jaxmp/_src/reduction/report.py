@@ -6,6 +6,7 @@ all-reduces in fp32 in its later passes), so the report reads the program
 right after the ``spmd-partitioning`` pass: what a GPU's collectives send.
 """
 
+import contextlib
 import glob
 import math
 import os
@@ -15,6 +16,11 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
+
+try:  # Which persistent cache jax uses is decided once, at its first use.
+  from jax._src import compilation_cache as _compilation_cache  # pylint: disable=g-import-not-at-top
+except ImportError:  # pragma: no cover - jax moved it.
+  _compilation_cache = None
 
 # XLA's collective opcodes (async forms are reported once, by their start).
 _OPS = {
@@ -160,6 +166,25 @@ def _parse(text: str, n_devices: int) -> list:
   return rows
 
 
+@contextlib.contextmanager
+def _no_persistent_cache():
+  """Compiles inside skip jax's persistent cache, read and write.
+
+  A program found there is not compiled, so XLA dumps nothing; its key
+  leaves the dump options out. jax decides whether it uses the cache once,
+  so the decision is reset on the way in and out.
+  """
+  enabled = jax.config.jax_enable_compilation_cache
+  reset = getattr(_compilation_cache, "reset_cache", lambda: None)
+  jax.config.update("jax_enable_compilation_cache", False)
+  reset()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    reset()
+
+
 def reduction_report(fn: Callable, *args: Any, **kwargs: Any):
   """The cross-device collectives of ``jax.jit(fn)(*args, **kwargs)``.
 
@@ -192,20 +217,17 @@ def reduction_report(fn: Callable, *args: Any, **kwargs: Any):
   # The module's name: the dump may hold other programs compiled meanwhile.
   found = re.search(r"module @([\w.\-]+)", lowered.as_text())
   name = found.group(1) if found else ""
-  # A persistent-cache hit would skip XLA's passes, and with them the dump.
-  cached = jax.config.jax_enable_compilation_cache
-  with tempfile.TemporaryDirectory(prefix="jaxmp_reduction_") as tmp:
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-      lowered.compile(
-        compiler_options={
-          "xla_dump_to": tmp,
-          "xla_dump_hlo_pass_re": "spmd-partitioning",
-          "xla_dump_hlo_module_re": re.escape(name) if name else ".*",
-        }
-      )
-    finally:
-      jax.config.update("jax_enable_compilation_cache", cached)
+  with (
+    tempfile.TemporaryDirectory(prefix="jaxmp_reduction_") as tmp,
+    _no_persistent_cache(),
+  ):
+    lowered.compile(
+      compiler_options={
+        "xla_dump_to": tmp,
+        "xla_dump_hlo_pass_re": "spmd-partitioning",
+        "xla_dump_hlo_module_re": re.escape(name) if name else ".*",
+      }
+    )
     dumps = sorted(
       glob.glob(os.path.join(tmp, f"*.{name}.*after_spmd-partitioning*.txt"))
     )
