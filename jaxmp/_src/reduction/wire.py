@@ -25,12 +25,19 @@ MODES = ("fp32", "half_wire", "native")
 F32 = jnp.dtype(jnp.float32)
 HALF = frozenset({jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)})
 
-try:  # Public from jax 0.11 on; private (and present) in 0.9 and 0.10.
-  _gather_invariant = lax.all_gather_invariant  # type: ignore[attr-defined]
-except AttributeError:  # pragma: no cover - depends on the jax version.
-  from jax._src.lax import parallel as _parallel  # pylint: disable=g-import-not-at-top
 
-  _gather_invariant = getattr(_parallel, "all_gather_invariant", None)
+def _gather_invariant(x, axis_name):
+  """``all_gather`` typed as the same on every device (shard_map's checks).
+
+  ``all_gather(..., to="invarying")`` where jax takes it (0.10 on); before,
+  the private ``all_gather_invariant``.
+  """
+  try:
+    return lax.all_gather(x, axis_name, tiled=True, to="invarying")
+  except (TypeError, ValueError):  # jax 0.9: no such `to`.
+    from jax._src.lax import parallel  # pylint: disable=g-import-not-at-top
+
+    return parallel.all_gather_invariant(x, axis_name, tiled=True)
 
 
 def check_mode(grad_reduce: Any, where: str) -> str:
@@ -70,9 +77,7 @@ def half_wire_chunks(partial: jax.Array, axis_name, wire) -> jax.Array:
 def _half_wire_sum(x: jax.Array, axis_name, wire) -> jax.Array:
   """The sum of ``x`` over ``axis_name``: ``wire`` on the wire, fp32 adds."""
   chunk = half_wire_chunks(x, axis_name, wire).astype(wire)
-  if _gather_invariant is None:  # pragma: no cover - very old jax.
-    raise NotImplementedError("half_wire needs lax.all_gather_invariant")
-  full = _gather_invariant(chunk, axis_name, tiled=True)
+  full = _gather_invariant(chunk, axis_name)
   return full[: x.size].reshape(x.shape).astype(F32)
 
 
