@@ -54,7 +54,10 @@ def test_value_and_grad_takes_the_model():
   model, opt, x = _setup()
   loss, grads = jaxmp.value_and_grad(_loss)(model, opt.opt_state, x, 1.0)
   ref_loss, ref_grads = nnx.value_and_grad(_loss)(model, x, 1.0)
-  assert float(loss) == float(ref_loss)
+  # The same loss. (Its half params' products run in one compiled region,
+  # for grad_reduce: XLA may sum the fp32 mean of the 8 x 4 squares in
+  # another order than eager ops do: within 32 of its roundings.)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=32 * 2.0**-24)
   scale = float(jaxmp.stats(opt.opt_state)["loss_scale"][...])
   assert scale == 2.0**15
   got = nnx.as_pure(grads)
