@@ -120,22 +120,8 @@ def grad_diagnostics(
   return out
 
 
-@dataclasses.dataclass(frozen=True)
-class LeafRow:
-  """One leaf of an `OverflowReport`; fields read as attributes or keys.
-
-  Attributes:
-    path: the leaf's ``jax.tree_util.keystr``, e.g. ``['conv1']['kernel']``.
-    nonfinite: inf/NaN elements of its gradient in the last step.
-    max_abs: the largest finite ``|unscaled gradient|``.
-    zero_fraction: fraction of zero-or-subnormal half-precision gradient
-      elements; ``None`` for an fp32 (or wider) gradient.
-  """
-
-  path: str
-  nonfinite: int
-  max_abs: float
-  zero_fraction: Optional[float]
+class RowMapping:
+  """A dataclass row whose fields also read as keys (``row["path"]``)."""
 
   def __getitem__(self, key: str) -> Any:
     """``row["path"]`` is ``row.path``."""
@@ -150,6 +136,24 @@ class LeafRow:
   def get(self, key: str, default: Any = None) -> Any:
     """Like ``dict.get``."""
     return getattr(self, key) if key in self.keys() else default
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRow(RowMapping):
+  """One leaf of an `OverflowReport`; fields read as attributes or keys.
+
+  Attributes:
+    path: the leaf's ``jax.tree_util.keystr``, e.g. ``['conv1']['kernel']``.
+    nonfinite: inf/NaN elements of its gradient in the last step.
+    max_abs: the largest finite ``|unscaled gradient|``.
+    zero_fraction: fraction of zero-or-subnormal half-precision gradient
+      elements; ``None`` for an fp32 (or wider) gradient.
+  """
+
+  path: str
+  nonfinite: int
+  max_abs: float
+  zero_fraction: Optional[float]
 
 
 class OverflowReport(list):

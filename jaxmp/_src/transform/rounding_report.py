@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import dtypes
+from jaxmp._src.scaling import diagnostics
 
 # The advice thresholds: a leaf keeps its updates in its half dtype alone
 # when at most STALLED_MAX of its updated elements stall, its quality is
@@ -228,7 +229,7 @@ def step(
 
 
 @dataclasses.dataclass(frozen=True)
-class RoundingRow:
+class RoundingRow(diagnostics.RowMapping):
   """One leaf of a `RoundingReport`; fields read as attributes or keys.
 
   Attributes:
@@ -253,20 +254,6 @@ class RoundingRow:
   dtype: str
   measured_as: str
   master_weights: Optional[str]
-
-  def __getitem__(self, key: str) -> Any:
-    """``row["path"]`` is ``row.path``."""
-    if key not in self.keys():
-      raise KeyError(key)
-    return getattr(self, key)
-
-  def keys(self) -> tuple[str, ...]:
-    """The field names, so that ``dict(row)`` works."""
-    return tuple(f.name for f in dataclasses.fields(self))
-
-  def get(self, key: str, default: Any = None) -> Any:
-    """Like ``dict.get``."""
-    return getattr(self, key) if key in self.keys() else default
 
 
 def _advise(stalled, quality, flushed, dtype, half) -> tuple[str, str]:
