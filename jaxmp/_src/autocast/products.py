@@ -12,9 +12,10 @@ with ``"half_wire"``, on a half wire with fp32 adds), and on one device the
 weight gradient no longer passes through half on its way to fp32.
 
 The backward products are JAX's own: the transpose of the forward is traced
-(``jax.linear_transpose``) and evaluated again with its products asked for
+(``jax.vjp`` in the operand) and evaluated again with its products asked for
 fp32, so every dimension layout, feature group and sharding JAX supports is
-handled as JAX handles it.
+handled as JAX handles it. These products are ``custom_vjp`` functions:
+reverse mode only (``grad_reduce="native"`` for ``jax.jvp``).
 """
 
 from typing import Sequence
@@ -188,7 +189,7 @@ def _wide_cotangent(eqn, updates, cast, g, j, mode):
   return _cotangent(eqn, updates, cast, g, j, wide_out=True)
 
 
-def _batch_dims(eqn, j, ndim_out):
+def _batch_dims(eqn, j):
   """(the other operand's batch dim, the output's), or None.
 
   The batch is the leading dimension of the other operand when it is a free
@@ -230,7 +231,7 @@ def _mesh_axes():
 
 def _half_wire_plan(eqn, cast, g, j):
   found = _mesh_axes()
-  dims = _batch_dims(eqn, j, g.ndim)
+  dims = _batch_dims(eqn, j)
   if found is None or dims is None:
     return None
   mesh, axes = found
