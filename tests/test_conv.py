@@ -12,6 +12,7 @@ import pytest
 import jaxmp
 
 from jaxmp._src.nn import conv
+from _products import product_dtypes
 
 f16, f32 = jnp.float16, jnp.float32
 
@@ -243,3 +244,73 @@ def test_half_convolutions_accumulate_in_float32(
       assert a.dtype == jnp.float16, (name, what)
       err = np.max(np.abs(np.asarray(a, np.float64) - b) / b)
       assert err <= u16 + m * u32, (name, what, err / u16)
+
+
+@pytest.mark.devices(4)
+@pytest.mark.parametrize("autocast", [False, True])
+def test_gradients_under_shard_map_are_typed_as_lax(autocast):
+  """A replicated kernel's gradient inside shard_map: summed over the batch.
+
+  jaxmp's CPU gradient rule computes it from the device's own rows, as lax
+  does; it must come back typed (and summed) as lax's own transpose gives it,
+  or the platform switch of its two rules fails shard_map's type checks. Under
+  autocast the kernel, replicated and marked varying before the product, is
+  cast to half at the rule's boundary as on one device.
+  """
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  mesh = jax.make_mesh(
+    (4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(8, 5, 5, 3)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(3, 3, 3, 3)) / 9, jnp.float32)
+
+  def loss(conv_fn, w, x):
+    # Twice: under autocast the second one's input is the first's half
+    # output, its kernel still the fp32 (replicated) param.
+    for _ in range(2):
+      x = conv_fn(
+        x,
+        w,
+        (1, 1),
+        ((1, 1), (1, 1)),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      )
+    return jnp.sum(jnp.square(x.astype(jnp.float32)))
+
+  def grad_fn(conv_fn):
+    f = functools.partial(loss, conv_fn)
+    if autocast:
+      f = jaxmp.autocast(f)
+    return jax.shard_map(
+      jax.grad(f), mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+    )
+
+  def grad_of(conv_fn):
+    return jax.jit(grad_fn(conv_fn))(w, x)
+
+  if autocast:  # Every convolution of jaxmp's rule, forward and backward.
+    found = product_dtypes(
+      jax.make_jaxpr(grad_fn(conv.conv_general_dilated))(w, x)
+    )
+    assert found and all(ins == ("float16",) * 2 for _, ins, _ in found)
+  got = grad_of(conv.conv_general_dilated)
+  want = grad_of(jax.lax.conv_general_dilated)
+  # Sums of products in two orders: at |w|, |x| every term is positive, so
+  # lax's fp32 gradient there is the sum of the terms' magnitudes. fp32:
+  # within 4 n roundings of it (n = 8 * 5 * 5 a conv); under autocast each
+  # side also rounds its half outputs: a few fp16 ulps of it.
+  magnitude = jax.jit(
+    jax.shard_map(
+      jax.grad(functools.partial(loss, jax.lax.conv_general_dilated)),
+      mesh=mesh,
+      in_specs=(P(), P("data")),
+      out_specs=P(),
+    )
+  )(jnp.abs(w), jnp.abs(x))
+  tol = 4 * 8 * 5 * 5 * 2.0**-24 * magnitude
+  if autocast:
+    tol = tol + 8 * 2.0**-11 * magnitude
+  assert got.dtype == want.dtype == jnp.float32
+  assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= tol)

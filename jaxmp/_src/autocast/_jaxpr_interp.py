@@ -588,30 +588,9 @@ def run_custom_vjp(
   return list(out)
 
 
-def inputs_only_multiplied(jaxpr, names: frozenset) -> list[bool]:
-  """Per input of ``jaxpr``: is every use an operand of a primitive in ``names``?
-
-  Uses inside ``jit`` bodies are followed; an input that is an output, or is
-  used by anything else, is not.
-  """
-  j = closed(jaxpr)
-  ok = {v: True for v in j.invars}
-  for eqn in j.eqns:
-    if eqn.primitive.name in names:
-      continue
-    if kind(eqn) == "jit":
-      inner = inputs_only_multiplied(eqn.params["jaxpr"], names)
-      for v, good in zip(eqn.invars, inner):
-        if not isinstance(v, _core.Literal) and v in ok and not good:
-          ok[v] = False
-      continue
-    for v in eqn.invars:
-      if not isinstance(v, _core.Literal) and v in ok:
-        ok[v] = False
-  for v in j.outvars:
-    if not isinstance(v, _core.Literal) and v in ok:
-      ok[v] = False
-  return [ok[v] for v in j.invars]
+def is_literal(v) -> bool:
+  """Whether an equation's input ``v`` is a literal (not a variable)."""
+  return isinstance(v, _core.Literal)
 
 
 # --------------------------------------------------------------------------

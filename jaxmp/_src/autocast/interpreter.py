@@ -311,7 +311,7 @@ class Interpreter:
     bwd_body = None
     avals = ji.in_avals(eqn)
     args = list(invals)
-    only = ji.inputs_only_multiplied(call, rules.LOWER_PRECISION)
+    only = inputs_only_multiplied(call, rules.LOWER_PRECISION)
     floats = [i for i, a in enumerate(avals) if rules.castable(a.dtype)]
     multiplied = bool(floats) and all(only[i] for i in floats)
     if multiplied and not self.natural:
@@ -371,6 +371,51 @@ class Interpreter:
       return v.size == 1
     f = float(v.reshape(()))
     return not np.isfinite(f) or abs(f) <= self.max
+
+
+# Type-only casts inside shard_map (an invariant value marked varying before
+# a product): followed to their uses, as the value itself.
+_TYPE_CASTS = frozenset({"pvary", "pcast"})
+
+
+def inputs_only_multiplied(jaxpr, names: frozenset) -> list[bool]:
+  """Per input of ``jaxpr``: is every use an operand of a primitive in ``names``?
+
+  Uses inside ``jit`` bodies, and through ``pvary``/``pcast`` (shard_map's
+  type casts), are followed; an input that is an output, or is used by
+  anything else, is not.
+  """
+  j = ji.closed(jaxpr)
+  ok = {v: True for v in j.invars}
+  root: dict = {}  # A cast's output -> the input it casts.
+
+  def of(v):
+    if ji.is_literal(v):
+      return None
+    v = root.get(v, v)
+    return v if v in ok else None
+
+  for eqn in j.eqns:
+    if eqn.primitive.name in names:
+      continue
+    if eqn.primitive.name in _TYPE_CASTS:
+      for v, out in zip(eqn.invars, eqn.outvars):
+        if of(v) is not None:
+          root[out] = of(v)
+      continue
+    if ji.kind(eqn) == "jit":
+      inner = inputs_only_multiplied(eqn.params["jaxpr"], names)
+      for v, good in zip(eqn.invars, inner):
+        if of(v) is not None and not good:
+          ok[of(v)] = False
+      continue
+    for v in eqn.invars:
+      if of(v) is not None:
+        ok[of(v)] = False
+  for v in j.outvars:
+    if of(v) is not None:
+      ok[of(v)] = False
+  return [ok[v] for v in j.invars]
 
 
 def _fp8_product(recipe, eqn, invals, out_dtype):

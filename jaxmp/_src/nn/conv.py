@@ -42,6 +42,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxmp._src.nn import vma as vma_lib
+
 _NHWC = ("NHWC", "HWIO", "NHWC")
 # Convolutions with at most this many output pixels per image run as one
 # im2col matrix product on CPU (measured in bench/cpu_ops.py).
@@ -233,7 +235,12 @@ def _conv_bwd(strides, padding, precision, residuals, dy):
       dw = kernel_grad_by_taps(lhs, dy, rhs.shape, strides, padding, precision)
     else:
       dw = kernel_grad_as_conv(lhs, dy, rhs.shape, strides, padding, precision)
-    return dx, dw.astype(rhs.dtype)
+    # Under shard_map: typed as lax's gradients are (a replicated kernel's
+    # summed over the axes the batch varies over).
+    return (
+      vma_lib.match(dx, vma_lib.varying(lhs)),
+      vma_lib.match(dw.astype(rhs.dtype), vma_lib.varying(rhs)),
+    )
 
   return lax.platform_dependent(cpu=cpu_grads, default=lax_grads)
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype
 
 from jaxmp._src.autocast.rules import NORMALIZATION_MARK
+from jaxmp._src.nn import vma as vma_lib
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -68,33 +69,6 @@ def _moments(
   if axis_name is not None:
     mean, mean_sq = jax.lax.pmean(jnp.stack([mean, mean_sq]), axis_name)
   return mean, jnp.maximum(0.0, mean_sq - jnp.square(mean))
-
-
-def _vma(x) -> frozenset:
-  """Mesh axes along which ``x`` varies (empty outside ``shard_map``)."""
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)  # Older jax.
-  if vma is None:  # jax >= 0.10: ``ManualAxisType(varying=...)``.
-    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
-  return frozenset(vma or ())
-
-
-def _match_vma(ct: jax.Array, want: frozenset) -> jax.Array:
-  """Makes cotangent ``ct`` vary along exactly the axes in ``want``.
-
-  A cotangent computed from device-varying activations varies along their
-  axes; for a replicated primal (e.g. a parameter under ``shard_map``) it is
-  ``psum``-ed over those axes, as JAX's own transpose of the implicit
-  ``pvary`` does.
-  """
-  have = _vma(ct)
-  extra = tuple(sorted(have - want))
-  if extra:
-    ct = jax.lax.psum(ct, extra)
-  missing = tuple(sorted(want - have))
-  if missing:
-    ct = jax.lax.pcast(ct, missing, to="varying")
-  return ct
 
 
 def _pre_activation(xf, mean, rstd, scale, bias, residual):
@@ -181,11 +155,13 @@ def _fused_train_bwd(static: _Static, saved, cotangents):
     mean_g, mean_gx = jax.lax.pmean(jnp.stack([mean_g, mean_gx]), axis_name)
   dx = (rstd * scale.astype(sdt)) * (g - mean_g - x_hat * mean_gx)
   x_vma, scale_vma, bias_vma, res_vma = vmas
-  dres = None if res_dtype is None else _match_vma(g.astype(res_dtype), res_vma)
+  dres = (
+    None if res_dtype is None else vma_lib.match(g.astype(res_dtype), res_vma)
+  )
   return (
-    _match_vma(dx.astype(x.dtype), x_vma),
-    _match_vma(dscale.astype(scale.dtype), scale_vma),
-    _match_vma(dbias.astype(bias.dtype), bias_vma),
+    vma_lib.match(dx.astype(x.dtype), x_vma),
+    vma_lib.match(dscale.astype(scale.dtype), scale_vma),
+    vma_lib.match(dbias.astype(bias.dtype), bias_vma),
     dres,
   )
 
@@ -242,7 +218,8 @@ def fused_batch_norm(
   # The primals' varying mesh axes (static), so that the backward pass can
   # return cotangents of the same types under ``shard_map``.
   vmas = tuple(
-    frozenset() if a is None else _vma(a) for a in (x, scale, bias, residual)
+    frozenset() if a is None else vma_lib.varying(a)
+    for a in (x, scale, bias, residual)
   )
   static = _Static(epsilon, relu, axis_name, dtype, res_dtype, vmas)
   y, mean, var = _fused_train(x, scale, bias, residual, static)
