@@ -2,8 +2,8 @@
 
 The public names are in ``jaxmp``, ``jaxmp.nn`` and ``jaxmp.models``.
 
-* ``dtypes``, ``frames``, ``nnx_support``: small pieces every concern uses;
-  they import nothing of jaxmp.
+* ``dtypes``, ``frames``, ``nnx_support``, ``vma``: small pieces every
+  concern uses; they import nothing of jaxmp.
 * ``scaling/``: the loss-scale rule, the unscaled-gradients check and the
   per-leaf gradient diagnostics.
 * ``reduction/``: the ``grad_reduce`` modes, ``pmean_grads`` and

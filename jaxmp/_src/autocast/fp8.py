@@ -31,6 +31,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src import vma as vma_lib
+
 _F32 = jnp.dtype(jnp.float32)
 _FORMATS = frozenset(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2))
 
@@ -116,15 +118,6 @@ def fp8_convolutions(recipe: Fp8Recipe) -> bool:
   return False
 
 
-def _varying_axes(x) -> frozenset:
-  """Mesh axes along which ``x`` varies (empty outside ``shard_map``)."""
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)  # Older jax.
-  if vma is None:  # jax >= 0.10: ``ManualAxisType(varying=...)``.
-    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
-  return frozenset(vma or ())
-
-
 def quantize(x, fmt, recipe: Fp8Recipe):
   """``(q, inv)``: ``x`` quantised to ``fmt`` and the scale's inverse (f32).
 
@@ -135,7 +128,7 @@ def quantize(x, fmt, recipe: Fp8Recipe):
   x32 = jnp.asarray(x).astype(_F32)
   amax = jnp.max(jnp.abs(x32))
   if recipe.amax_axes:
-    vma = _varying_axes(amax)
+    vma = vma_lib.varying(amax)
     axes = tuple(a for a in recipe.amax_axes if a in vma)
     if axes:
       amax = lax.pmax(amax, axes)

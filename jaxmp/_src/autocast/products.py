@@ -23,6 +23,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxmp._src import vma as vma_lib
 from jaxmp._src.autocast import _jaxpr_interp as ji
 from jaxmp._src.reduction import wire
 
@@ -49,7 +50,7 @@ def product(eqn, operands: Sequence, dtypes: Sequence, wide, mode, updates):
   """
   in_dtypes = [jnp.dtype(x.dtype) for x in operands]
   # Inside shard_map: the axes each operand varies over (its placeholder's).
-  vma = [_varying_axes(x) for x in operands]
+  vma = [vma_lib.varying(x) for x in operands]
   # Explicit-axes mode: each cotangent must carry its operand's sharding.
   shardings = [_explicit_sharding(x) for x in operands]
 
@@ -97,15 +98,6 @@ def product(eqn, operands: Sequence, dtypes: Sequence, wide, mode, updates):
   return prod(*operands)
 
 
-def _varying_axes(x) -> frozenset:
-  """The manual axes ``x`` varies over (inside ``shard_map``)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))  # Older JAX.
-
-
 def _explicit_sharding(x):
   """``x``'s sharding where its type carries one (explicit axes), or None."""
   sharding = getattr(jax.typeof(x), "sharding", None)
@@ -126,7 +118,7 @@ def _resharded(x, sharding):
 
 def _zeros_like(shape, dtype, vma):
   zeros = jnp.zeros(shape, dtype)
-  return _varying(zeros, tuple(sorted(vma))) if vma else zeros
+  return vma_lib.mark_varying(zeros, tuple(sorted(vma))) if vma else zeros
 
 
 def _cotangent(eqn, updates, cast, g, j, wide_out: bool):
@@ -244,13 +236,6 @@ def _half_wire_plan(eqn, cast, g, j):
   return mesh, axes, dims
 
 
-def _varying(x, axes):
-  """``x`` typed as varying over ``axes`` (shard_map's checks)."""
-  if hasattr(jax.lax, "pcast"):
-    return jax.lax.pcast(x, axes, to="varying")
-  return jax.lax.pvary(x, axes)  # pragma: no cover - jax < 0.10.
-
-
 def _spec(ndim, dim, axes):
   spec = [None] * ndim
   spec[dim] = axes
@@ -279,7 +264,7 @@ def _half_wire_cotangent(eqn, updates, cast, g, j, mesh, axes, dims):
   def body(other, gl):
     ops = [None, None]
     ops[k] = other
-    ops[j] = _varying(jnp.zeros(shape, cast[j].dtype), axes)
+    ops[j] = vma_lib.mark_varying(jnp.zeros(shape, cast[j].dtype), axes)
     partial = _cotangent(eqn, local_updates, ops, gl, j, wide_out=True)
     return wire.half_wire_chunks(partial, axes, wire_dtype).astype(wire_dtype)
 

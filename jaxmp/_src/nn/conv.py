@@ -42,7 +42,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxmp._src.nn import vma as vma_lib
+from jaxmp._src import vma as vma_lib
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
 # Convolutions with at most this many output pixels per image run as one

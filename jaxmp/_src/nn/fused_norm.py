@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype
 
 from jaxmp._src.autocast.rules import NORMALIZATION_MARK
-from jaxmp._src.nn import vma as vma_lib
+from jaxmp._src import vma as vma_lib
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]

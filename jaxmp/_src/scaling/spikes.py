@@ -29,6 +29,8 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxmp._src import vma as vma_lib
+
 
 @dataclasses.dataclass(frozen=True)
 class SpikeSkip:
@@ -172,10 +174,7 @@ def _varying(x: jax.Array, axis_name: Any) -> tuple[Any, ...]:
   ``shard_map`` (with its default ``check_vma``) types say it; ``pmap``'s
   (and ``check_vma=False``) type every value as invariant.
   """
-  aval = jax.typeof(x)
-  varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-  if varying is None:  # Older JAX: ``aval.vma``.
-    varying = getattr(aval, "vma", frozenset())
+  varying = vma_lib.varying(x)
   return tuple(a for a in _axes(axis_name) if a in varying)
 
 

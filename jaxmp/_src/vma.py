@@ -3,7 +3,8 @@
 A custom gradient rule under ``shard_map`` (with its default checks) must
 return each cotangent typed as its primal: one computed from device-varying
 activations for a replicated parameter is summed over those axes, as JAX's
-own transpose of the implicit ``pvary`` does.
+own transpose of the implicit ``pvary`` does. Root module: imports nothing
+of jaxmp.
 """
 
 import jax
@@ -31,6 +32,11 @@ def match(ct: jax.Array, want: frozenset) -> jax.Array:
   if extra:
     ct = jax.lax.psum(ct, extra)
   missing = tuple(sorted(want - have))
-  if missing:
-    ct = jax.lax.pcast(ct, missing, to="varying")
-  return ct
+  return mark_varying(ct, missing) if missing else ct
+
+
+def mark_varying(x: jax.Array, axes) -> jax.Array:
+  """``x`` typed as varying over ``axes`` (``pcast``; ``pvary`` before)."""
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, axes, to="varying")
+  return jax.lax.pvary(x, axes)  # pragma: no cover - older jax.
