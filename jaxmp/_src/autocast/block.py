@@ -134,6 +134,8 @@ def quantize(
   fmt: str,
   axis: int = -1,
   key: Optional[jax.Array] = None,
+  *,
+  amax: Optional[jax.typing.ArrayLike] = None,
 ) -> Quantized:
   """``x`` in a block-scaled low-precision format.
 
@@ -166,6 +168,10 @@ def quantize(
       in units of the step between the two (unbiased; the same codes for
       the same key). ``None``: round to nearest even. The other formats
       take no key.
+    amax: NVFP4 only: the tensor's ``amax`` that ``T`` is computed from,
+      instead of ``max |x|`` (a float32 scalar, e.g. the maximum over the
+      shards of a tensor inside ``shard_map``, ``lax.pmax``). It must be
+      at least ``max |x|``.
 
   Returns:
     A :class:`Quantized` with ``data``, ``scale``, ``global_scale`` and
@@ -190,10 +196,15 @@ def quantize(
     axis = axis % x.ndim
   else:
     axis = None
-  if key is not None and spec.rule != "nvfp4":
-    raise ValueError(
-      f"stochastic rounding (key=) is for NVFP4 only, not {fmt!r}"
-    )
+  if spec.rule != "nvfp4":
+    if key is not None:
+      raise ValueError(
+        f"stochastic rounding (key=) is for NVFP4 only, not {fmt!r}"
+      )
+    if amax is not None:
+      raise ValueError(f"amax= is for NVFP4 only, not {fmt!r}")
+  elif amax is not None and jnp.ndim(amax) != 0:
+    raise ValueError(f"amax must be a scalar, got shape {jnp.shape(amax)}")
   x = x.astype(_F32)
   block_axis = axis if axis is not None else -1
   xb = _to_blocks(x, spec, block_axis)
@@ -203,7 +214,7 @@ def quantize(
   elif spec.rule == "fp32":
     codes, scale = _fp32(xb)
   else:
-    codes, scale, global_scale = _nvfp4(xb, key)
+    codes, scale, global_scale = _nvfp4(xb, key, amax)
   data = _from_blocks(codes, spec, block_axis, x.shape).astype(spec.elem)
   scale = _scale_layout(scale[..., 0], spec, block_axis)
   return Quantized(data, scale, global_scale, fmt, axis)
@@ -214,9 +225,11 @@ def fake_quantize(
   fmt: str,
   axis: int = -1,
   key: Optional[jax.Array] = None,
+  *,
+  amax: Optional[jax.typing.ArrayLike] = None,
 ) -> jax.Array:
   """``quantize(x, fmt, axis, key).dequantize()``: float32, ``x``'s shape."""
-  return quantize(x, fmt, axis=axis, key=key).dequantize()
+  return quantize(x, fmt, axis=axis, key=key, amax=amax).dequantize()
 
 
 # The three scale rules, on blocks: xb is float32 (..., n_elements_a_block).
@@ -261,13 +274,17 @@ def _fp32(xb):
   return codes.astype(jnp.float8_e4m3fn), scale
 
 
-def _nvfp4(xb, key):
+def _nvfp4(xb, key, amax_t):
   """NVFP4: per-tensor T, e4m3 block scales, e2m1 codes."""
   xb = _flush_subnormals(xb)
   ab = jnp.abs(xb)
-  amax_t = jnp.max(ab)
-  t = jnp.where(amax_t > 0, jnp.minimum(6.0 * 448.0 / amax_t, _F32_MAX), 1.0)
-  t = t.astype(_F32)
+  if amax_t is None:
+    amax_t = jnp.max(ab)
+  else:
+    amax_t = _flush_subnormals(jnp.asarray(amax_t, _F32))
+  # A NaN amax gives a NaN T (so every value is NaN), an inf one T = 0.
+  t = jnp.minimum(6.0 * 448.0 / amax_t, _F32_MAX)
+  t = jnp.where(amax_t == 0, 1.0, t).astype(_F32)
   amax = jnp.max(ab, axis=-1, keepdims=True)
   b = jnp.minimum(_div(amax, 6.0) * t, 448.0).astype(jnp.float8_e4m3fn)
   bf = b.astype(_F32)
