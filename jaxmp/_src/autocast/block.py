@@ -135,19 +135,20 @@ def quantize(
   * ``"nvfp4"`` / ``"nvfp4_16x16"`` (NVIDIA's NVFP4, TransformerEngine's
     ``NVFP4BlockScaling``): 1x16 blocks along ``axis`` / 16x16 blocks over
     the last two axes, a per-tensor float32 ``T = 6 * 448 / amax(x)`` (1
-    where it is 0), a ``float8_e4m3fn`` block scale ``b = e4m3(min(amax /
-    6 * T, 448))`` and ``float4_e2m1fn`` elements ``e2m1(clip(x * T / b,
-    -6, 6))``; the value is ``q * b / T``, and a block whose ``b`` rounds
-    to zero is zero.
+    where it is 0; float32's largest at most), a ``float8_e4m3fn`` block
+    scale ``b = e4m3(min(amax / 6 * T, 448))`` and ``float4_e2m1fn``
+    elements ``e2m1(clip(x * T / b, -6, 6))``; the value is ``q * b / T``,
+    and a block whose ``b`` rounds to zero is zero.
 
   ``x`` is read in float32; each division is one IEEE division (XLA would
   otherwise multiply by a rounded reciprocal), so the codes are those of a
   float32 numpy evaluation of these rules, on any CPU. In the float32-scale
   formats, float32 subnormals (below ``2**-126``) count as zeros, as XLA's
   arithmetic reads them. A shape the block does not divide is padded with
-  zeros for the scales. Finite inputs give finite codes, scales and
-  values; a block holding an inf or a NaN dequantizes to NaN (under NVFP4,
-  the whole tensor does). Works under ``jax.jit``, with a traced ``key``.
+  zeros for the scales. Finite inputs give finite codes and scales (and
+  values, unless one rounds up past float32's largest); a block holding an
+  inf or a NaN dequantizes to NaN (under NVFP4, the whole tensor does).
+  Works under ``jax.jit``, with a traced ``key``.
 
   >>> import jax.numpy as jnp
   >>> q = quantize(jnp.array([[1.0, -3.0, 500.0, 0.0]]), "mxfp8")
@@ -271,9 +272,9 @@ def _mx(xb, elem):
   mant = (mag & np.uint32(0x7FFFFF)).astype(_F32)
   negative = (bits >> 31) == 1
   f_sub = jnp.where(negative, -mant, mant)
-  frac = jnp.where(subnormal, f_sub, xb)
+  v = jnp.where(subnormal, f_sub, xb)
   shift = jnp.where(subnormal, -149, 0) - k
-  y = frac * _pow2(jnp.clip(shift, -126, 127))
+  y = v * _pow2(jnp.clip(shift, -126, 127))
   codes = jnp.clip(y, -fmax, fmax).astype(elem)
   return codes, scale
 
