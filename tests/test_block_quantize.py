@@ -121,6 +121,7 @@ SCENARIOS = (  # (amax planted at the head of every 16 elements, fill)
   (500.0, "midpoints"),  # x / (500 / 448) near e4m3 rounding midpoints
   (3.0, "lognormal"),
   (1.0, "lognormal"),
+  (2.0**-118, "rand"),  # mxfp8 scales at 2**-126
 )
 
 
@@ -128,12 +129,14 @@ def scenario_rows(cols, seed=0):
   """(len(SCENARIOS), cols) float32, one edge case a row."""
   rng = np.random.default_rng(seed)
   rows = []
-  mid = np.arange(16.0, 400.0, 8.0) + 1.0  # e4m3 midpoints in [16, 32)...
-  mid = np.concatenate([np.arange(8.5, 16.0, 1.0), mid[mid < 32], mid])
+  grid = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float64)
+  grid = np.unique(grid[np.isfinite(grid) & (grid >= 0)])
+  mid = (grid[1:] + grid[:-1]) / 2  # e4m3's rounding midpoints
+  mid = mid[(mid > 1) & (mid < 400)]
   for amax, fill in SCENARIOS:
     sign = rng.choice([-1.0, 1.0], cols)
     if fill == "zero":
-      r = np.zeros(cols)
+      r = 0.0 * sign  # signed zeros
     elif fill == "rand":
       r = rng.uniform(-1, 1, cols) * amax
     elif fill == "one_huge":
