@@ -151,6 +151,7 @@ def scenario_rows(cols, seed=0):
       r = rng.standard_normal(cols) * np.exp(rng.uniform(-6, 6, cols)) * amax
     if fill != "one_huge":
       r[::16] = amax * sign[::16]
+    r[9::37] = -0.0
     rows.append(r)
   return np.asarray(rows, np.float32)
 
