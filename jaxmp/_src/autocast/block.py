@@ -275,6 +275,7 @@ def _mx(xb, elem):
   v = jnp.where(subnormal, f_sub, xb)
   shift = jnp.where(subnormal, -149, 0) - k
   y = v * _pow2(jnp.clip(shift, -126, 127))
+  # |y| <= fmax by the round-up rule: the clip only saturates an inf.
   codes = jnp.clip(y, -fmax, fmax).astype(elem)
   return codes, scale
 
@@ -346,7 +347,11 @@ def _div(a, b):
 
 
 def _flush_subnormals(x):
-  """``x`` with float32 subnormals as signed zeros, as XLA computes."""
+  """``x`` with float32 subnormals as signed zeros.
+
+  XLA's arithmetic reads them so on CPU and GPU; flushing them first makes
+  the rule the formats state, whatever the backend's denormal mode.
+  """
   bits = lax.bitcast_convert_type(x, jnp.uint32)
   sub = (bits & np.uint32(0x7F800000)) == 0
   return jnp.where(
