@@ -350,7 +350,8 @@ def test_report_source_strips_transforms_and_control_flow():
 def test_report_names_each_rows_layer_and_kind(layout):
   """Each row's layer and kind: a linen MLP with jaxmp's BatchNorm.
 
-  ``tp`` is Megatron's layout, its two layers scanned as a language model's
+  ``fsdp`` runs ``grad_reduce="half_wire"``: its all-to-alls are sums of
+  gradients too. ``tp`` is Megatron's layout, its two layers scanned as a language model's
   blocks are: ``hidden`` column-parallel (its input's cotangent is summed
   over ``model`` in the backward pass, inside the loop, and carried to the
   layer below), ``out`` row-parallel (its product is summed over ``model``
@@ -409,9 +410,11 @@ def test_report_names_each_rows_layer_and_kind(layout):
     y = net.apply({**p, "batch_stats": stats}, x, mutable=["batch_stats"])[0]
     return jnp.mean(jnp.square(y.astype(F32)))
 
+  # FSDP under half_wire: its all-to-all is part of a gradient's sum.
+  mode = "half_wire" if layout == "fsdp" else "fp32"
   with jax.set_mesh(mesh):
     report = jaxmp.reduction_report(
-      jax.jit(jax.grad(jaxmp.autocast(loss))), params, x
+      jax.jit(jax.grad(jaxmp.autocast(loss, grad_reduce=mode))), params, x
     )
   got = {(r.kind, r.source) for r in report}
   layers = {"Net/inp", "Net/block/hidden", "Net/block/out"}
@@ -428,9 +431,12 @@ def test_report_names_each_rows_layer_and_kind(layout):
       ("activation-cotangent sum", "Net/block/hidden"),
     }
   assert got == want, str(report)
-  # Every gradient sum in fp32; the tensor-parallel forward sum stays in
-  # the product's dtype, as in Megatron-LM and PyTorch.
-  assert {r.dtype for r in report if r.kind == "gradient sum"} == {"f32"}
+  # Every gradient all-reduce in fp32; the tensor-parallel forward sum
+  # stays in the product's dtype, as in Megatron-LM and PyTorch.
+  assert {r.dtype for r in report.sums() if r.kind == "gradient sum"} == {"f32"}
+  if layout == "fsdp":
+    a2a = {(r.dtype, r.kind) for r in report if r.op == "all-to-all"}
+    assert a2a == {("f16", "gradient sum")}, str(report)
   if layout == "tp":
     out = [r for r in report if r.kind == "forward sum" and "out" in r.source]
     assert {r.dtype for r in out} == {"f16"}, str(report)

@@ -165,9 +165,11 @@ def _kind(module: hlo.Module, ins: hlo.Instr, op: str, backward: bool) -> str:
       return FORWARD_SUM
     return PARAMETER_GATHER if op == "all-gather" else RELAYOUT
   # In the backward pass: a value that reaches the result uncontracted is
-  # a gradient (a gather or all-to-all there is part of its sum: the half
-  # wire's); one that only flows on into the backward products is an
-  # activation's cotangent (or, gathered, a parameter used by them).
+  # a gradient (a gather there is part of its sum: the half wire's); one
+  # that only flows on into the backward products is an activation's
+  # cotangent (or, gathered, a parameter they use). One that does neither
+  # is a gradient's too: the half wire's all-to-all, whose chunks are then
+  # added (a reduction), or a gradient an optimizer multiplies.
   if module.reaches_result(ins):
     return GRADIENT_SUM
   if module.feeds_backward_product(ins):
