@@ -158,6 +158,7 @@ class TestOverflowReport:
     _, state = jax.jit(opt.update)(grads, state, params)
     rows = jaxmp.overflow_report(state)
     assert rows.offending == [] and len(rows) == len(PATHS)
+    assert rows.rows == tuple(rows)  # As the other two reports.
     assert all(r.max_abs > 0 for r in rows)
     _check_report(rows, _true_rows(grads, SCALE))
     assert "all gradients finite" in str(rows)

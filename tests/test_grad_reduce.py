@@ -262,21 +262,38 @@ def test_reduction_report_rows_bytes_and_table():
 
   @jax.jit
   @functools.partial(
-    jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=P()
+    jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data"))
   )
   def total(x):
-    return jax.lax.psum(x[0], "data")
+    with jax.named_scope("head"):
+      return (
+        jax.lax.psum(x[0], "data"),
+        jax.lax.psum_scatter(x[0], "data", tiled=True),
+      )
 
   report = jaxmp.reduction_report(total, jnp.ones((4, 8), F32))
-  (row,) = report.rows
-  assert (row.op, row.dtype, row.shape, row.devices) == (
+  # The report is its rows: iteration, len and indexing.
+  assert len(report) == 2 and list(report) == list(report.rows)
+  ar, rs = sorted(report, key=lambda r: r.op)
+  assert (ar.op, ar.dtype, ar.shape, ar.devices) == (
     "all-reduce",
     "f32",
     (8,),
     4,
   )
-  # A ring all-reduce sends 2 (n - 1) / n of its 32 bytes.
-  assert row.bytes_sent == report.bytes_sent == 2 * 3 / 4 * 32
+  assert (rs.op, rs.dtype, rs.shape, rs.devices) == (
+    "reduce-scatter",
+    "f32",
+    (2,),
+    4,
+  )
+  # A ring all-reduce sends 2 (n - 1) / n of its 32 bytes; a reduce-scatter
+  # (n - 1) / n of the 32 it sums (its result is 8 bytes).
+  assert ar.bytes_sent == 2 * 3 / 4 * 32
+  assert rs.bytes_sent == 3 / 4 * 32
+  assert report.bytes_sent == 48 + 24
+  for r in report:
+    assert (r.kind, r.source) == ("forward sum", "head"), r
   text = str(report)
   assert text.splitlines()[0].split() == [
     "op",
@@ -285,10 +302,144 @@ def test_reduction_report_rows_bytes_and_table():
     "devices",
     "bytes",
     "sent",
+    "kind",
+    "source",
   ]
-  assert "all-reduce  f32" in text and "48 bytes sent per device" in text
+  assert "all-reduce      f32" in text and "72 bytes sent per device" in text
+  assert "reduce-scatter  f32    [2]" in text and "forward sum  head" in text
   # One device: no collectives.
-  assert jaxmp.reduction_report(jnp.sin, jnp.ones(3)).rows == ()
+  one = jaxmp.reduction_report(jnp.sin, jnp.ones(3))
+  assert one.rows == () and len(one) == 0 and list(one) == []
+
+
+def test_report_source_strips_transforms_and_control_flow():
+  from jaxmp._src.reduction import hlo  # pylint: disable=g-import-not-at-top
+  from jaxmp._src.reduction import report as report_lib  # pylint: disable=g-import-not-at-top
+
+  cases = {
+    "transpose(jvp(jit(jaxmp_grad_reduce_fp32)))/ResNet/layer2_0/"
+    "downsample_conv/cond/branch_0_fun/reduce_sum": (
+      "ResNet/layer2_0/downsample_conv"
+    ),
+    "jit(loss)/transpose(jvp(MLP))/hidden/dot_general": "MLP/hidden",
+    "jit(loss)/transpose(jvp(jit(jaxmp_autocast_float16)))/MLP/hidden/"
+    "transpose(jvp())/dot_general": "MLP/hidden",
+    "jit(step)/transpose(jvp(jit(f)))/LM/embed/jit(_take)/scatter-add": (
+      "LM/embed"
+    ),
+    "jit(step)/ResNet/conv/grc,gro->gco/dot_general": "ResNet/conv",
+    "jit(step)/jvp(jit(jaxmp_grad_reduce_fp32))/reduce_sum": "",
+    "all_to_all": "",
+  }
+  for op_name, want in cases.items():
+    assert hlo.source(op_name) == want, op_name
+  # A recomputed forward (jax.checkpoint) is not the backward pass.
+  assert hlo.is_backward("transpose(jvp(Net))/dense/dot_general")
+  assert not hlo.is_backward(
+    "transpose(jvp(Net))/rematted_computation/dense/dot_general"
+  )
+  # Mesh groups written with device ids: the named axes' sizes.
+  line = (
+    "replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=2], "
+    "device_ids=([2,2]T(1,0)) {'axis_1'}, use_global_device_ids=true"
+  )
+  assert report_lib._group_size(line, 4) == 2  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("layout", ["dp", "fsdp", "tp"])
+def test_report_names_each_rows_layer_and_kind(layout):
+  """Each row's layer and kind: a linen MLP with jaxmp's BatchNorm.
+
+  ``fsdp`` runs ``grad_reduce="half_wire"``: its all-to-alls are sums of
+  gradients too. ``tp`` is Megatron's layout, its two layers scanned as a language model's
+  blocks are: ``hidden`` column-parallel (its input's cotangent is summed
+  over ``model`` in the backward pass, inside the loop, and carried to the
+  layer below), ``out`` row-parallel (its product is summed over ``model``
+  in the forward).
+  """
+  nn = pytest.importorskip("flax.linen")
+  import jaxmp.nn  # pylint: disable=g-import-not-at-top,redefined-outer-name
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      h = nn.relu(nn.Dense(16, name="hidden")(x))
+      return x + nn.Dense(8, name="out")(h), None
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(8, name="inp")(x)
+      x = nn.relu(jaxmp.nn.BatchNorm(use_running_average=False, name="bn")(x))
+      if layout != "tp":
+        return Block(name="block")(x, None)[0]
+      scan = nn.scan(
+        Block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=2,
+      )
+      return scan(name="block")(x, None)[0]
+
+  net = Net()
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(16, 8)), F32)
+  params = net.init(jax.random.key(0), x)
+  if layout == "tp":
+    mesh = jax.make_mesh(
+      (2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2
+    )
+    batch = P("data")
+    spec = {
+      "inp": P(),
+      "hidden": P(None, None, "model"),
+      "out": P(None, "model", None),
+    }
+    weight = lambda path: (
+      spec[path[-2].key] if path[-1].key == "kernel" else P()
+    )
+  else:
+    mesh = _mesh(layout)
+    batch, w = _specs(layout)
+    weight = lambda path: w if path[-1].key == "kernel" else P()
+  place = lambda path, a: jax.device_put(a, NamedSharding(mesh, weight(path)))
+  params = jax.tree_util.tree_map_with_path(place, params)
+  stats = params.pop("batch_stats")
+  x = jax.device_put(x, NamedSharding(mesh, batch))
+
+  def loss(p, x):
+    y = net.apply({**p, "batch_stats": stats}, x, mutable=["batch_stats"])[0]
+    return jnp.mean(jnp.square(y.astype(F32)))
+
+  # FSDP under half_wire: its all-to-all is part of a gradient's sum.
+  mode = "half_wire" if layout == "fsdp" else "fp32"
+  with jax.set_mesh(mesh):
+    report = jaxmp.reduction_report(
+      jax.jit(jax.grad(jaxmp.autocast(loss, grad_reduce=mode))), params, x
+    )
+  got = {(r.kind, r.source) for r in report}
+  layers = {"Net/inp", "Net/block/hidden", "Net/block/out"}
+  # BatchNorm sums its batch statistics in the forward pass, and in the
+  # backward its scale's and bias's gradients, which its input's cotangent
+  # also uses: gradient sums all the same.
+  want = {("gradient sum", s) for s in layers | {"Net/bn"}}
+  want.add(("forward sum", "Net/bn"))
+  if layout == "fsdp":
+    want |= {("parameter gather", s) for s in layers}
+  if layout == "tp":
+    want |= {
+      ("forward sum", "Net/block/out"),
+      ("activation-cotangent sum", "Net/block/hidden"),
+    }
+  assert got == want, str(report)
+  # Every gradient all-reduce in fp32; the tensor-parallel forward sum
+  # stays in the product's dtype, as in Megatron-LM and PyTorch.
+  assert {r.dtype for r in report.sums() if r.kind == "gradient sum"} == {"f32"}
+  if layout == "fsdp":
+    a2a = {(r.dtype, r.kind) for r in report if r.op == "all-to-all"}
+    assert a2a == {("f16", "gradient sum")}, str(report)
+  if layout == "tp":
+    out = [r for r in report if r.kind == "forward sum" and "out" in r.source]
+    assert {r.dtype for r in out} == {"f16"}, str(report)
 
 
 @pytest.mark.parametrize("policy", ["O1", "O2"])

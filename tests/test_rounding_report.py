@@ -198,6 +198,8 @@ def test_known_failures_and_advice():
   assert rows["['tiny']"].master_weights == "fp32"
   assert rows["['tiny']"].advice.startswith("fp32 masters: fp16 holds 100%")
   assert report[-1].path == "['w']" and report.step == 1
+  # Like the other two reports: a list of its rows, also as ``.rows``.
+  assert len(report) == 4 and report.rows == tuple(report)
   assert "scale" in str(report) and "stalled" in str(report)
   choice = report.master_weights()
   assert choice["['w']"] == "none" and choice["['scale']"] == "remainder"

@@ -138,6 +138,31 @@ class RowMapping:
     return getattr(self, key) if key in self.keys() else default
 
 
+class Rows(list):
+  """A report's rows: ``for row in report``, ``len``, indexing; ``str``.
+
+  The base of `OverflowReport`, ``RoundingReport`` and ``ReductionReport``:
+  a list of rows that prints as a table (each report writes its own
+  ``__str__``).
+  """
+
+  @property
+  def rows(self) -> tuple:
+    """The rows, as a tuple."""
+    return tuple(self)
+
+  def __repr__(self) -> str:
+    """The class's name around the rows."""
+    return f"{type(self).__name__}({list.__repr__(self)})"
+
+
+def columns(head: tuple, body: list) -> list:
+  """Lines of a table: ``head``, a rule, then ``body``, columns aligned."""
+  widths = [max(len(x) for x in col) for col in zip(head, *body)]
+  fmt = lambda row: "  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip()
+  return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in body]
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafRow(RowMapping):
   """One leaf of an `OverflowReport`; fields read as attributes or keys.
@@ -156,7 +181,7 @@ class LeafRow(RowMapping):
   zero_fraction: Optional[float]
 
 
-class OverflowReport(list):
+class OverflowReport(Rows):
   """`LeafRow`s, worst first; ``str`` is a short table.
 
   Attributes:

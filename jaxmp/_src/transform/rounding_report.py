@@ -296,7 +296,7 @@ class LeafModes(dict):
     return self.get(jax.tree_util.keystr(path), self.default)
 
 
-class RoundingReport(list):
+class RoundingReport(diagnostics.Rows):
   """`RoundingRow`s, worst first; ``str`` is a table."""
 
   max_rows: int = 12
