@@ -161,6 +161,7 @@ class Interpreter:
       and idx == [0]
       and jnp.dtype(invals[0].dtype) in rules.HALF
       and id(invals[0]) in self._from_inputs
+      and _sums_when_transposed(eqn)
     ):
       # A half weight broadcast or gathered as it is (its only float
       # operand): the transpose's sum over the batch runs in fp32.
@@ -430,6 +431,14 @@ def inputs_only_multiplied(jaxpr, names: frozenset) -> list[bool]:
     if of(v) is not None:
       ok[of(v)] = False
   return [ok[v] for v in j.invars]
+
+
+def _sums_when_transposed(eqn) -> bool:
+  """A gather, or a broadcast that adds elements (not only size-1 dims)."""
+  if ji.primitive_name(eqn) != "broadcast_in_dim":
+    return True
+  size = lambda a: int(np.prod(a.shape, dtype=np.int64))
+  return size(ji.out_avals(eqn)[0]) > size(ji.in_avals(eqn)[0])
 
 
 def _fp8_product(recipe, eqn, invals, out_dtype):
