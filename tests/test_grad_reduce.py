@@ -6,6 +6,7 @@ later passes, a GPU's NCCL does not. Meshes of the 4 forced CPU devices:
 data parallel ``(4,)`` and FSDP ``(2, 2)``, params ``P("fsdp", None)``.
 """
 
+import contextlib
 import functools
 
 import jax
@@ -123,6 +124,77 @@ def test_o2_half_params_sum_in_fp32_under_fsdp(dtype):
   assert all(bool(jnp.any(new[k] != p[k])) for k in p)
 
 
+def _embedder(model):
+  """(loss, fp16 params) of an embedding and a dense layer over tokens."""
+  rng = np.random.default_rng(3)
+  emb = jnp.asarray(rng.normal(size=(32, 8)) / 4, F16)
+  w = jnp.asarray(rng.normal(size=(8, 4)) / 4, F16)
+  if model == "bare":  # A gather of the table; a bias broadcast by `+`.
+    p = {"emb": emb, "w": w, "b": jnp.asarray(rng.normal(size=4) / 8, F16)}
+
+    def apply(p, t):
+      # Explicit axes: the rows split as the tokens are (jax asks).
+      spec = jax.typeof(t).sharding.spec
+      out = P(*spec, None) if any(spec) else None
+      return p["emb"].at[t].get(out_sharding=out) @ p["w"] + p["b"]
+
+    return apply, p
+  nn = pytest.importorskip("flax.linen")
+
+  class Model(nn.Module):  # flax's Embed: jnp.take, a nested jit.
+    @nn.compact
+    def __call__(self, t):
+      h = nn.Embed(32, 8, param_dtype=F16)(t)
+      return nn.Dense(4, param_dtype=F16, dtype=F16)(h)
+
+  p = {"params": Model().init(jax.random.key(0), jnp.zeros((1,), int))}
+  p["params"]["params"]["Embed_0"]["embedding"] = emb
+  p["params"]["params"]["Dense_0"]["kernel"] = w
+  return (lambda p, t: Model().apply(p["params"], t)), p
+
+
+@pytest.mark.parametrize("model,explicit", [("linen", False), ("bare", True)])
+def test_o2_embedding_gradient_sums_in_fp32(model, explicit):
+  """fp16 params under `jaxmp.value_and_grad`: the scatter-add's sum in fp32.
+
+  On a mesh with auto axes (linen, no mesh set) or with `jax.make_mesh`'s
+  explicit default (set): the bias's broadcast keeps the batch's sharding,
+  so its cotangent is not gathered before the sum. The gradients: the sharded step's are one
+  device's within one fp16 rounding of each (both round one fp32 sum),
+  and plain JAX's in fp32 within fp16 rounding of the forward.
+  """
+  apply, p = _embedder(model)
+  loss = lambda p, t: jnp.mean(jnp.square(apply(p, t).astype(F32)))
+  tokens = np.random.default_rng(4).integers(0, 32, (8, 3))
+  opt = jaxmp.mixed_precision(optax.adam(1e-3))
+  if explicit:
+    mesh = jax.make_mesh((4,), ("data",))
+  else:
+    mesh = _mesh("dp")
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  grads = jax.jit(lambda p, s, t: jaxmp.value_and_grad(loss)(p, s, t)[1])
+  sharded = (put(p, P()), put(opt.init(p), P()), put(tokens, P("data")))
+  with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+    report = jaxmp.reduction_report(grads, *sharded)
+    on_mesh = grads(*sharded)
+  # The three gradients' sums, in fp32; nothing gathered (a bias broadcast
+  # keeps the batch's sharding until its sum).
+  rows = {(r.op, r.dtype, r.shape) for r in report.rows}
+  assert rows == {("all-reduce", "f32", s) for s in [(32, 8), (4, 8), (4,)]}
+  state = opt.init(p)
+  one = grads(p, state, tokens)
+  scale = float(jaxmp.stats(state)["loss_scale"])
+  wide = jax.tree.map(lambda a: a.astype(F32), p)
+  plain = jax.jit(jax.grad(loss))(wide, tokens)
+  for a, b, c in zip(*map(jax.tree.leaves, (on_mesh, one, plain))):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.dtype == b.dtype and np.abs(b).max() > 0
+    np.testing.assert_allclose(a, b, rtol=2.0**-10, atol=2.0**-24 * scale)
+    np.testing.assert_allclose(
+      a / scale, c, rtol=0, atol=2.0**-7 * float(np.abs(c).max())
+    )
+
+
 def test_native_leaves_the_sums_half():
   p, x = _data()
   mesh, p, x = _place("dp", p, x)
@@ -179,19 +251,33 @@ def test_gradient_matches_one_device_within_fp32_rounding():
   def loss(w, x, t):
     return jnp.sum((x @ w).astype(F32) * t)
 
-  mesh = _mesh("dp")
-  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
-  errors = {}
+  def sharded(g, mesh, set_mesh=False):
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+    args = put(w, P()), put(x, P("data")), put(t, P("data"))
+    with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
+      return np.asarray(g(*args), np.float64)
+
+  errors, grads = {}, {}
   for mode in ("fp32", "native"):
-    g = jax.jit(jax.grad(jaxmp.autocast(loss, grad_reduce=mode)))
+    g = grads[mode] = jax.jit(jax.grad(jaxmp.autocast(loss, grad_reduce=mode)))
     one = np.asarray(g(w, x, t), np.float64)
-    sharded = np.asarray(
-      g(put(w, P()), put(x, P("data")), put(t, P("data"))), np.float64
+    errors[mode] = (
+      np.abs(one - truth),
+      np.abs(sharded(g, _mesh("dp")) - truth),
     )
-    errors[mode] = (np.abs(one - truth), np.abs(sharded - truth))
-  # fp32: one device and four both within fp32 rounding of the truth.
+  # fp32: one device and four both within fp32 rounding of the truth, on
+  # auto axes and on `jax.make_mesh`'s explicit default, with and without
+  # a mesh set.
   assert np.all(errors["fp32"][0] <= bound)
   assert np.all(errors["fp32"][1] <= bound)
+  explicit = jax.make_mesh((4,), ("data",))
+  for mesh, set_mesh in (
+    (explicit, False),
+    (explicit, True),
+    (_mesh("dp"), True),
+  ):
+    got = sharded(grads["fp32"], mesh, set_mesh)
+    assert np.all(np.abs(got - truth) <= bound), (mesh, set_mesh)
   # native: the single device's result is rounded to fp16 once (its output
   # is half), so even one device is off by up to half an fp16 ulp.
   assert np.max(errors["native"][0] - bound) > 0
@@ -444,6 +530,12 @@ def test_report_names_each_rows_layer_and_kind(layout):
 
 @pytest.mark.parametrize("policy", ["O1", "O2"])
 def test_app_steps_sum_in_fp32_on_4_devices(make_config, data_dir, policy):
+  """The app's step compiled afresh (no persistent cache).
+
+  Two stages on 8x8 images, batch 32: XLA's 3x3 convolutions, and the
+  strided 1x1 projection, whose kernel gradient is products batched over
+  groups of the batch and summed after (512 rows: 8 groups).
+  """
   from cifar_train import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from cifar_train import settings  # pylint: disable=g-import-not-at-top
   from cifar_train import steps  # pylint: disable=g-import-not-at-top
@@ -454,7 +546,7 @@ def test_app_steps_sum_in_fp32_on_4_devices(make_config, data_dir, policy):
   assert s.precision.grad_reduce == "fp32"
   model = steps.create_model(
     s.model, num_classes=10, num_filters=4, precision=s.precision
-  ).clone(stage_sizes=(1,))
+  ).clone(stage_sizes=(1, 1))
   optimizer = steps.create_optimizer(s.precision, 0.05, momentum=0.9)
   state = steps.create_train_state(model, optimizer, (8, 8, 3), seed=0)
   mesh = mesh_lib.create_mesh(4, {"batch_size": 8})
@@ -467,8 +559,8 @@ def test_app_steps_sum_in_fp32_on_4_devices(make_config, data_dir, policy):
   )
   rep, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   step = jax.jit(train_step, in_shardings=(rep, batch, batch, rep))
-  images = jax.ShapeDtypeStruct((8, 8, 8, 3), F32, sharding=batch)
-  labels = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=batch)
+  images = jax.ShapeDtypeStruct((32, 8, 8, 3), F32, sharding=batch)
+  labels = jax.ShapeDtypeStruct((32,), jnp.int32, sharding=batch)
   report = jaxmp.reduction_report(
     step, state, images, labels, steps.zero_metrics()
   )
