@@ -131,33 +131,103 @@ def test_native_leaves_the_sums_half():
   assert ("all-reduce", "f16") in _weight_sums(report), str(report)
 
 
+def _linear(p, x, t):
+  return jnp.sum((x @ p["w1"] + p["b1"]).astype(F32) * t)
+
+
+def _exact_partials(rows):
+  """(x, t): ``x.T @ t`` over each block of ``rows // 4`` rows fp16-exact.
+
+  Small multiples of 2**-2 (x) and integers (t), each device's block of
+  rows scaled by its own power of two (2**6, 1, 2**-3, 2**-6): every
+  device's partial ``x.T @ t`` (and every sum of them) is exact in fp32 and
+  each partial is exact in fp16, but their sum needs up to 20 bits: fp16
+  holds it only rounded.
+  """
+  rng = np.random.default_rng(3)
+  x = rng.integers(-7, 8, size=(rows, 8)) / 4
+  t = rng.integers(-3, 4, size=(rows, 16)).astype(np.float64)
+  scale = np.repeat(2.0 ** np.array([6, 0, -3, -6]), -(-rows // 4))[:rows]
+  return x * scale[:, None], t
+
+
+def _within_one_half_rounding(got, x, t):
+  """``got`` is the fp64 ``x.T @ t`` rounded once to fp16, plus fp32 adds.
+
+  One rounding to fp16 errs by at most half an fp16 ulp of the sum:
+  ``2**-11 * 2**floor(log2|sum|)``; fp32 adds of the partials (exact here)
+  add at most ``n`` fp32 roundings of ``sum |x| |t|``.
+  """
+  truth = x.T @ t
+  mag = np.abs(x).T @ np.abs(t)
+  half_ulp = 2.0**-11 * 2.0 ** np.floor(
+    np.log2(np.maximum(np.abs(truth), 1e-30))
+  )
+  tol = half_ulp + len(x) * 2.0**-24 * mag
+  err = np.abs(np.asarray(got, np.float64) - truth)
+  assert np.all(err <= tol), (np.max(err / tol), got, truth)
+
+
 @pytest.mark.parametrize("kind", ["dp", "fsdp"])
 def test_half_wire_sends_half_and_adds_in_fp32(kind):
-  p, x = _data()
-  mesh, p, x = _place(kind, p, x)
-  grads = {}
+  """Half on the wire: each element the fp64 sum rounded once to fp16.
+
+  Each device's partial is exact in fp16 (`_exact_partials`), so the wire
+  itself loses nothing; adding the partials in fp16 would round their sum
+  up to three times, fp32 adds round it at most once (to the wire dtype).
+  """
+  x, t = _exact_partials(32)
+  p = {"w1": jnp.ones((8, 16), F32), "b1": jnp.zeros((16,), F32)}
+  mesh, p, x32 = _place(kind, p, jnp.asarray(x, F32))
+  t32 = jax.device_put(jnp.asarray(t, F32), x32.sharding)
   reports = {}
   for mode in ("half_wire", "native"):
-    step = jax.jit(jax.grad(jaxmp.autocast(_mlp, grad_reduce=mode)))
+    step = jax.jit(jax.grad(jaxmp.autocast(_linear, grad_reduce=mode)))
     with jax.set_mesh(mesh):
-      reports[mode] = jaxmp.reduction_report(step, p, x)
-      grads[mode] = step(p, x)
+      reports[mode] = jaxmp.reduction_report(step, p, x32, t32)
+      if mode == "half_wire":
+        grads = step(p, x32, t32)
   wire = reports["half_wire"]
-  # The two products' weights: an all-to-all of half partials each, no
-  # all-reduce of their shape (the bias's sum is an fp32 all-reduce).
+  # The product's weight: an all-to-all of half partials, no all-reduce of
+  # its shape (the bias's sum is an fp32 all-reduce).
   assert _weight_sums(wire) == {("all-to-all", "f16"), ("all-reduce", "f32")}
   assert [r.shape for r in wire.sums()] == [(16,)], str(wire)
   half_sums = sum(r.bytes_sent for r in reports["native"].sums("f16"))
   a2a = sum(r.bytes_sent for r in wire.rows if r.op == "all-to-all")
   assert 0 < a2a <= 1.1 * half_sums
-  # Same gradient as native's, each within its own rounding to half.
-  for k in ("w1", "w2"):
-    np.testing.assert_allclose(
-      grads["half_wire"][k],
-      grads["native"][k],
-      rtol=0,
-      atol=4 * 2.0**-11 * float(jnp.max(jnp.abs(grads["native"][k]))),
+  _within_one_half_rounding(grads["w1"], x, t)
+
+
+@pytest.mark.parametrize("where", ["indivisible", "shard_map"])
+def test_half_wire_where_it_cannot_split_the_batch(where):
+  """A batch the devices do not divide, or inside ``shard_map``: no error.
+
+  6 rows on 4 devices; inside ``shard_map`` the mesh's axes are manual (the
+  batch is already split). Either way the gradient is the fp64 sum within
+  one rounding to fp16 and fp32 adds.
+  """
+  mesh = _mesh("dp")
+  rows = 6 if where == "indivisible" else 32
+  x, t = _exact_partials(rows)
+  p = {"w1": jnp.ones((8, 16), F32), "b1": jnp.zeros((16,), F32)}
+  grad = jax.grad(jaxmp.autocast(_linear, grad_reduce="half_wire"))
+  if where == "indivisible":
+    with jax.set_mesh(mesh):
+      got = jax.jit(grad)(p, jnp.asarray(x, F32), jnp.asarray(t, F32))
+  else:
+
+    @jax.jit
+    @functools.partial(
+      jax.shard_map,
+      mesh=mesh,
+      in_specs=(P(), P("data"), P("data")),
+      out_specs=P(),
     )
+    def got(p, x, t):  # p is the same on every device: its gradient summed.
+      return grad(p, x, t)
+
+    got = got(p, x.astype(np.float32), t.astype(np.float32))
+  _within_one_half_rounding(got["w1"], x, t)
 
 
 def test_gradient_matches_one_device_within_fp32_rounding():
@@ -167,7 +237,8 @@ def test_gradient_matches_one_device_within_fp32_rounding():
   ``x16.T @ t`` with ``t`` exactly half, its fp64 value the truth. Each
   product of two halves is exact in fp32, so the fp32 route errs by at most
   ``n * eps32 * sum|x||t|`` (n terms summed); native rounds every device's
-  partial to fp16 (relative 2**-11) before the sum.
+  partial to fp16 (relative 2**-11) before the sum. A product asked for an
+  fp32 output (``preferred_element_type``) keeps the fp32 route's bound.
   """
   rng = np.random.default_rng(1)
   x = rng.normal(size=(64, 8)).astype(np.float16).astype(np.float32)
@@ -195,6 +266,14 @@ def test_gradient_matches_one_device_within_fp32_rounding():
   # native: the single device's result is rounded to fp16 once (its output
   # is half), so even one device is off by up to half an fp16 ulp.
   assert np.max(errors["native"][0] - bound) > 0
+
+  # A product of fp16 data asked for an fp32 output: the weight's gradient
+  # leaves its backward product in fp32 too, never rounded to half.
+  def wide(w, x, t):
+    return jnp.sum(jnp.dot(x.astype(F16), w, preferred_element_type=F32) * t)
+
+  g = jax.jit(jax.grad(jaxmp.autocast(wide)))(w, x, t)
+  assert np.all(np.abs(np.asarray(g, np.float64) - truth) <= bound)
 
 
 def test_bad_grad_reduce_is_a_clear_error():
@@ -227,7 +306,12 @@ def test_pmean_grads_in_shard_map(mode):
   mesh = _mesh("dp")
   rng = np.random.default_rng(2)
   local = rng.normal(size=(4, 6, 5)).astype(np.float16)
-  grads = {"w": jnp.asarray(local), "b": jnp.asarray(local[:, 0], F32)}
+  v = np.asarray(jnp.asarray(rng.normal(size=(4, 3, 5)), BF16))
+  grads = {
+    "w": jnp.asarray(local),
+    "b": jnp.asarray(local[:, 0], F32),
+    "v": jnp.asarray(v, BF16),
+  }
 
   @jax.jit
   @functools.partial(
@@ -240,21 +324,32 @@ def test_pmean_grads_in_shard_map(mode):
   report = jaxmp.reduction_report(mean, grads)
   ops = {(r.op, r.dtype, r.shape) for r in report.rows}
   want = {
-    "fp32": {("all-reduce", "f32", (6, 5))},
+    "fp32": {("all-reduce", "f32", (6, 5)), ("all-reduce", "f32", (3, 5))},
     "half_wire": {("all-to-all", "f16", (4, 8)), ("all-gather", "f16", (32,))},
-    "native": {("all-reduce", "f16", (6, 5))},
+    "native": {("all-reduce", "f16", (6, 5)), ("all-reduce", "bf16", (3, 5))},
   }[mode]
   assert want <= ops, str(report)
+  # The bf16 leaf as the fp16 one: no half sum but native's, half_wire's
+  # partials sent in bf16.
+  half_sums = {r.dtype for r in report.sums() if r.dtype in HALF}
+  assert half_sums == ({"f16", "bf16"} if mode == "native" else set())
+  a2a = {r.dtype for r in report.rows if r.op == "all-to-all"}
+  assert a2a == ({"f16", "bf16"} if mode == "half_wire" else set())
   out = mean(grads)
-  assert out["w"].dtype == F16 and out["b"].dtype == F32
-  exact = local.astype(np.float64).mean(0)
-  # Rounded once to fp16 after an fp32 sum (half_wire: the chunk sum is
-  # rounded to fp16 for the gather, then the mean): within 1.5 fp16 ulps.
-  tol = 2.0**-10 * np.abs(exact) + 2.0**-24
-  if mode == "native":  # Summed in fp16: 3 roundings of partial sums.
-    tol = 4 * 2.0**-11 * np.abs(local.astype(np.float64)).sum(0) / 4 + tol
-  assert np.all(np.abs(np.asarray(out["w"], np.float64) - exact) <= tol)
-  np.testing.assert_allclose(out["b"], exact[0], rtol=1e-6, atol=1e-7)
+  assert (out["w"].dtype, out["b"].dtype, out["v"].dtype) == (F16, F32, BF16)
+  for k, parts, eps in (("w", local, 2.0**-11), ("v", v, 2.0**-8)):
+    parts = parts.astype(np.float64)
+    exact = parts.mean(0)
+    # Rounded once to half after an fp32 sum (half_wire: the chunk sum is
+    # rounded to half for the gather, then the mean): within 1.5 ulps.
+    tol = 2 * eps * np.abs(exact) + 2.0**-24
+    if mode == "native":  # Summed in half: 3 roundings of partial sums.
+      tol = 4 * eps * np.abs(parts).sum(0) / 4 + tol
+    err = np.abs(np.asarray(out[k], np.float64) - exact)
+    assert np.all(err <= tol), k
+  np.testing.assert_allclose(
+    out["b"], local[:, 0].astype(np.float64).mean(0), rtol=1e-6, atol=1e-7
+  )
 
 
 def test_reduction_report_rows_bytes_and_table():
@@ -262,21 +357,31 @@ def test_reduction_report_rows_bytes_and_table():
 
   @jax.jit
   @functools.partial(
-    jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=P()
+    jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data"))
   )
   def total(x):
-    return jax.lax.psum(x[0], "data")
+    return jax.lax.psum(x[0], "data"), jax.lax.psum_scatter(
+      x[0], "data", tiled=True
+    )
 
   report = jaxmp.reduction_report(total, jnp.ones((4, 8), F32))
-  (row,) = report.rows
+  row, scatter = report.rows
   assert (row.op, row.dtype, row.shape, row.devices) == (
     "all-reduce",
     "f32",
     (8,),
     4,
   )
-  # A ring all-reduce sends 2 (n - 1) / n of its 32 bytes.
-  assert row.bytes_sent == report.bytes_sent == 2 * 3 / 4 * 32
+  # A ring all-reduce sends 2 (n - 1) / n of its 32 bytes; a reduce-scatter
+  # (n - 1) / n of them (its result, a quarter, is 8 bytes).
+  assert row.bytes_sent == 2 * 3 / 4 * 32
+  assert (scatter.op, scatter.dtype, scatter.shape) == (
+    "reduce-scatter",
+    "f32",
+    (2,),
+  )
+  assert scatter.bytes_sent == 3 / 4 * 32
+  assert report.bytes_sent == 48 + 24
   text = str(report)
   assert text.splitlines()[0].split() == [
     "op",
@@ -286,45 +391,66 @@ def test_reduction_report_rows_bytes_and_table():
     "bytes",
     "sent",
   ]
-  assert "all-reduce  f32" in text and "48 bytes sent per device" in text
+  assert "reduce-scatter" in text and "72 bytes sent per device" in text
   # One device: no collectives.
   assert jaxmp.reduction_report(jnp.sin, jnp.ones(3)).rows == ()
 
 
-@pytest.mark.parametrize("policy", ["O1", "O2"])
-def test_app_steps_sum_in_fp32_on_4_devices(make_config, data_dir, policy):
-  from cifar_train import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+@pytest.mark.parametrize(
+  "policy,mode", [("O1", None), ("O1", "half_wire"), ("O2", "half_wire")]
+)
+def test_app_steps_sum_as_configured_on_4_devices(
+  make_config, data_dir, tiny_data, monkeypatch, policy, mode
+):
+  """The app's own train call (`loop.compile_steps`), as its config says.
+
+  ``None``: a config without ``grad_reduce`` (an older one) sums in fp32.
+  O1's ``grad_reduce`` reaches autocast (through the model's clone to one
+  block), O2's ``jaxmp.value_and_grad``; both are traced with the job's
+  mesh, over which ``"half_wire"`` splits the batch.
+  """
+  from _helpers import one_block_models  # pylint: disable=g-import-not-at-top
+  from cifar_train import loop  # pylint: disable=g-import-not-at-top
   from cifar_train import settings  # pylint: disable=g-import-not-at-top
   from cifar_train import steps  # pylint: disable=g-import-not-at-top
 
-  s = settings.resolve(
-    make_config(data_dir, policy=policy, num_devices=4, batch_size=8)
+  one_block_models(monkeypatch)
+  config = make_config(
+    data_dir,
+    policy=policy,
+    num_devices=4,
+    batch_size=8,
+    steps_per_call=1,
+    data_on_device=False,  # The step is one jitted program.
   )
-  assert s.precision.grad_reduce == "fp32"
-  model = steps.create_model(
-    s.model, num_classes=10, num_filters=4, precision=s.precision
-  ).clone(stage_sizes=(1,))
-  optimizer = steps.create_optimizer(s.precision, 0.05, momentum=0.9)
-  state = steps.create_train_state(model, optimizer, (8, 8, 3), seed=0)
-  mesh = mesh_lib.create_mesh(4, {"batch_size": 8})
-  train_step = steps.make_train_step(
-    model,
-    optimizer,
-    compute_dtype=s.precision.compute_dtype,
-    grad_reduce=s.precision.grad_reduce,
-    mesh=mesh,
+  if mode is None:
+    del config["grad_reduce"]
+  else:
+    config.grad_reduce = mode
+  s = settings.resolve(config)
+  assert s.precision.grad_reduce == (mode or "fp32")
+  job = loop.set_up(s, tiny_data)
+  source = loop.make_batch_source(job)
+  step_fn, _ = loop.compile_steps(job, source)
+  like = lambda x: jax.ShapeDtypeStruct(
+    x.shape, x.dtype, weak_type=x.weak_type, sharding=job.replicated
   )
-  rep, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-  step = jax.jit(train_step, in_shardings=(rep, batch, batch, rep))
-  images = jax.ShapeDtypeStruct((8, 8, 8, 3), F32, sharding=batch)
-  labels = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=batch)
+  state = jax.tree.map(like, loop.make_init(job).trace().out_info)
+  metrics = jax.tree.map(
+    like, jax.eval_shape(steps.zero_metrics, state.opt_state)
+  )
   report = jaxmp.reduction_report(
-    step, state, images, labels, steps.zero_metrics()
+    step_fn, state, *source.step_args_like(), metrics
   )
-  kernel = state.params["conv1"]["kernel"].shape
+  conv, fc = (state.params[k]["kernel"].shape for k in ("conv1", "fc"))
   sums = {(r.dtype, r.shape) for r in report.sums()}
-  assert ("f32", kernel) in sums, str(report)
   assert not [r for r in report.sums() if r.dtype in HALF], str(report)
+  a2a = {r.dtype for r in report.rows if r.op == "all-to-all"}
+  fc_sums = {("f32", fc), ("f32", fc[::-1])} & sums  # Either layout.
+  if mode is None:
+    assert ("f32", conv) in sums and fc_sums and not a2a, str(report)
+  else:  # The dense kernel's partials sent in half, no sum of its shape.
+    assert a2a == {"f16"} and not fc_sums, str(report)
 
 
 def test_app_config_names_its_mode(make_config, data_dir, tmp_path, capsys):
