@@ -83,12 +83,17 @@ REFUSED = [
 ]
 
 
+# The same, each mode chosen per leaf (the fp32 "b" under another mode).
+REFUSED += [({"b": "kahan", "w": m}, b, s, w) for m, b, s, w in REFUSED]
+
+
+def _id(mode, built, stepped, *_):
+  name = mode if isinstance(mode, str) else f"per-leaf-{mode['w']}"
+  return f"{name}-{jnp.dtype(built).name}-{jnp.dtype(stepped).name}"
+
+
 @pytest.mark.parametrize(
-  "mode, built, stepped, words",
-  REFUSED,
-  ids=[
-    f"{m}-{jnp.dtype(b).name}-{jnp.dtype(s).name}" for m, b, s, _ in REFUSED
-  ],
+  "mode, built, stepped, words", REFUSED, ids=[_id(*r) for r in REFUSED]
 )
 def test_update_refuses_a_state_built_for_another_dtype(
   mode, built, stepped, words
@@ -102,11 +107,18 @@ def test_update_refuses_a_state_built_for_another_dtype(
     opt.update(params, state, params)
 
 
+HANDLED = [("fp32", BF16, F16), ("stochastic", F32, BF16), ("none", F32, BF16)]
+
+
+def test_per_leaf_modes_take_the_mismatches_their_modes_take():
+  for mode, built, stepped in HANDLED:
+    opt = _opt({"b": "kahan", "w": mode})
+    params = _tree(stepped, 2.0)
+    jax.eval_shape(opt.update, params, opt.init(_tree(built)), params)
+
+
 @pytest.mark.invariant
-@pytest.mark.parametrize(
-  "mode, built, stepped",
-  [("fp32", BF16, F16), ("stochastic", F32, BF16), ("none", F32, BF16)],
-)
+@pytest.mark.parametrize("mode, built, stepped", HANDLED)
 def test_update_steps_the_mismatches_it_handles(mode, built, stepped):
   """No buffer depends on the dtype: the step is a fresh state's."""
   opt = _opt(mode)

@@ -567,19 +567,35 @@ def check_dtypes(mode: Mode, params: Any, buffers: Buffers) -> None:
   dtype steps as it should. So does a float16 param with the fp32 master of
   a bfloat16 one (the master is its fp32 value either way).
 
+  Per-leaf modes are checked leaf by leaf, each against its own mode's
+  buffer, with the same words.
+
   Raises:
     ValueError: naming the first such leaf by its path, its dtype and the
       dtype its buffer was built for.
   """
-  field = _DTYPE_BUFFERS.get(mode.name)
-  tree = None if field is None else getattr(buffers, field)
-  if tree is None:
-    return
   leaves, treedef = jax.tree_util.tree_flatten_with_path(
     params, is_leaf=is_empty
   )
-  for (path, p), b in zip(leaves, treedef.flatten_up_to(tree)):
-    if is_empty(p) or isinstance(b, Placeholder) or not hasattr(p, "dtype"):
+  if isinstance(mode, PerLeaf):
+    modes = iter(mode.resolve(params))  # One per param that is not None.
+    fields = [
+      None if p is None else _DTYPE_BUFFERS.get(next(modes)) for _, p in leaves
+    ]
+  else:
+    field = _DTYPE_BUFFERS.get(mode.name)
+    if field is None or getattr(buffers, field) is None:
+      return
+    fields = [field] * len(leaves)
+  trees = {f: getattr(buffers, f) for f in set(fields) - {None}}
+  flat = {  # Each field's buffer per leaf (all None where it has no tree).
+    f: [None] * len(leaves) if t is None else treedef.flatten_up_to(t)
+    for f, t in trees.items()
+  }
+  for i, ((path, p), field) in enumerate(zip(leaves, fields)):
+    b = None if field is None else flat[field][i]
+    skip = field is None or is_empty(p) or not hasattr(p, "dtype")
+    if skip or isinstance(b, Placeholder):
       continue
     got = jnp.dtype(p.dtype)
     half = dtypes.is_half(p)
