@@ -99,12 +99,13 @@ def test_update_refuses_a_state_built_for_another_dtype(
   mode, built, stepped, words
 ):
   opt = _opt(mode)
-  state = opt.init(_tree(built))
-  params = _tree(stepped, 2.0)
+  # Shapes alone: refused at trace time, nothing computed.
+  state = jax.eval_shape(lambda: opt.init(_tree(built)))
+  params = jax.eval_shape(lambda: _tree(stepped, 2.0))
   with pytest.raises(ValueError, match="built for params of another dtype"):
-    jax.eval_shape(opt.update, params, state, params)  # At trace time.
+    jax.eval_shape(opt.update, params, state, params)
   with pytest.raises(ValueError, match=words):
-    opt.update(params, state, params)
+    jax.eval_shape(opt.update, params, state, params)
 
 
 HANDLED = [("fp32", BF16, F16), ("stochastic", F32, BF16), ("none", F32, BF16)]
@@ -113,8 +114,9 @@ HANDLED = [("fp32", BF16, F16), ("stochastic", F32, BF16), ("none", F32, BF16)]
 def test_per_leaf_modes_take_the_mismatches_their_modes_take():
   for mode, built, stepped in HANDLED:
     opt = _opt({"b": "kahan", "w": mode})
-    params = _tree(stepped, 2.0)
-    jax.eval_shape(opt.update, params, opt.init(_tree(built)), params)
+    params = jax.eval_shape(lambda: _tree(stepped, 2.0))
+    state = jax.eval_shape(lambda: opt.init(_tree(built)))
+    jax.eval_shape(opt.update, params, state, params)
 
 
 @pytest.mark.invariant
