@@ -130,10 +130,11 @@ def _linear(p, x, t):
 
 
 def _exact_partials(rows):
-  """(x, t): ``x.T @ t`` over each block of ``rows // 4`` rows fp16-exact.
+  """(x, t): ``x.T @ t`` over each of 4 blocks of rows exact in fp16.
 
-  Small multiples of 2**-2 (x) and integers (t), each device's block of
-  rows scaled by its own power of two (2**6, 1, 2**-3, 2**-6): every
+  Small multiples of 2**-2 (x) and integers (t), each block of rows (one
+  device's, where 4 devices split them) scaled by its own power of two
+  (2**6, 1, 2**-3, 2**-6): every
   device's partial ``x.T @ t`` (and every sum of them) is exact in fp32 and
   each partial is exact in fp16, but their sum needs up to 20 bits: fp16
   holds it only rounded.
