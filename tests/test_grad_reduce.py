@@ -134,10 +134,9 @@ def _exact_partials(rows):
 
   Small multiples of 2**-2 (x) and integers (t), each block of rows (one
   device's, where 4 devices split them) scaled by its own power of two
-  (2**6, 1, 2**-3, 2**-6): every
-  device's partial ``x.T @ t`` (and every sum of them) is exact in fp32 and
-  each partial is exact in fp16, but their sum needs up to 20 bits: fp16
-  holds it only rounded.
+  (2**6, 1, 2**-3, 2**-6): every block's partial ``x.T @ t`` (and every sum
+  of them) is exact in fp32 and each partial is exact in fp16, but their
+  sum needs up to 20 bits: fp16 holds it only rounded.
   """
   rng = np.random.default_rng(3)
   x = rng.integers(-7, 8, size=(rows, 8)) / 4
