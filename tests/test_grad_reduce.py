@@ -76,27 +76,28 @@ def _weight_sums(report):
 
 
 @pytest.mark.parametrize("kind", ["dp", "fsdp"])
-@pytest.mark.parametrize("route", ["grad", "value_and_grad"])
-def test_o1_sums_weight_gradients_in_fp32_by_default(kind, route):
+def test_o1_sums_weight_gradients_in_fp32_by_default(kind):
+  """Both routes, ``jax.grad`` and ``jaxmp.value_and_grad``, in one program.
+
+  Each route's sums are its own (the loss scale makes their values differ):
+  a half sum in either is a row of the report.
+  """
   p, x = _data()
   mesh, p, x = _place(kind, p, x)
   loss = jaxmp.autocast(_mlp)
-  if route == "grad":
-    step = jax.jit(jax.grad(loss))
-    args = (p, x)
-  else:
-    opt = jaxmp.mixed_precision(optax.sgd(0.1))
+  opt = jaxmp.mixed_precision(optax.sgd(0.1))
 
-    def step(p, s, x):
-      return jaxmp.value_and_grad(loss)(p, s, x)[1]
+  @jax.jit
+  def step(p, s, x):
+    return jax.grad(loss)(p, x), jaxmp.value_and_grad(loss)(p, s, x)[1]
 
-    step = jax.jit(step)
-    args = (p, opt.init(p), x)
   with jax.set_mesh(mesh):
-    report = jaxmp.reduction_report(step, *args)
+    report = jaxmp.reduction_report(step, p, opt.init(p), x)
   sums = _weight_sums(report)
   assert ("all-reduce", "f32") in sums, str(report)
   assert not [r for r in report.sums() if r.dtype in HALF], str(report)
+  # Each route sums each of the 3 params' gradients once.
+  assert len(report.sums()) == 2 * 3, str(report)
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
@@ -115,9 +116,10 @@ def test_o2_half_params_sum_in_fp32_under_fsdp(dtype):
   report = jaxmp.reduction_report(step, p, state, x)
   assert ("all-reduce", "f32") in _weight_sums(report), str(report)
   assert not [r for r in report.sums() if r.dtype in HALF], str(report)
-  # The gradients keep their params' dtype; the step still trains.
-  grads = jax.jit(lambda p, s, x: jaxmp.value_and_grad(_mlp)(p, s, x)[1])(
-    p, state, x
+  # The gradients keep their params' dtype (traced, not compiled); the
+  # step still trains.
+  grads = jax.eval_shape(
+    lambda p, s, x: jaxmp.value_and_grad(_mlp)(p, s, x)[1], p, state, x
   )
   assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(dtype)}
   new, _ = step(p, state, x)
@@ -195,41 +197,101 @@ def test_o2_embedding_gradient_sums_in_fp32(model, explicit):
     )
 
 
-def test_native_leaves_the_sums_half():
-  p, x = _data()
-  mesh, p, x = _place("dp", p, x)
-  step = jax.jit(jax.grad(jaxmp.autocast(_mlp, grad_reduce="native")))
-  report = jaxmp.reduction_report(step, p, x)
-  assert ("all-reduce", "f16") in _weight_sums(report), str(report)
+def _linear(p, x, t):
+  return jnp.sum((x @ p["w1"] + p["b1"]).astype(F32) * t)
+
+
+def _exact_partials(rows):
+  """(x, t): ``x.T @ t`` over each of 4 blocks of rows exact in fp16.
+
+  Small multiples of 2**-2 (x) and integers (t), each block of rows (one
+  device's, where 4 devices split them) scaled by its own power of two
+  (2**6, 1, 2**-3, 2**-6): every block's partial ``x.T @ t`` (and every sum
+  of them) is exact in fp32 and each partial is exact in fp16, but their
+  sum needs up to 20 bits: fp16 holds it only rounded.
+  """
+  rng = np.random.default_rng(3)
+  x = rng.integers(-7, 8, size=(rows, 8)) / 4
+  t = rng.integers(-3, 4, size=(rows, 16)).astype(np.float64)
+  scale = np.repeat(2.0 ** np.array([6, 0, -3, -6]), -(-rows // 4))[:rows]
+  return x * scale[:, None], t
+
+
+def _within_one_half_rounding(got, x, t):
+  """``got`` is the fp64 ``x.T @ t`` rounded once to fp16, plus fp32 adds.
+
+  One rounding to fp16 errs by at most half an fp16 ulp of the sum:
+  ``2**-11 * 2**floor(log2|sum|)``; fp32 adds of the partials (exact here)
+  add at most ``n`` fp32 roundings of ``sum |x| |t|``.
+  """
+  truth = x.T @ t
+  mag = np.abs(x).T @ np.abs(t)
+  half_ulp = 2.0**-11 * 2.0 ** np.floor(
+    np.log2(np.maximum(np.abs(truth), 1e-30))
+  )
+  tol = half_ulp + len(x) * 2.0**-24 * mag
+  err = np.abs(np.asarray(got, np.float64) - truth)
+  assert np.all(err <= tol), (np.max(err / tol), got, truth)
 
 
 @pytest.mark.parametrize("kind", ["dp", "fsdp"])
 def test_half_wire_sends_half_and_adds_in_fp32(kind):
-  p, x = _data()
-  mesh, p, x = _place(kind, p, x)
-  grads = {}
+  """Half on the wire: each element the fp64 sum rounded once to fp16.
+
+  Each device's partial is exact in fp16 (`_exact_partials`), so the wire
+  itself loses nothing; adding the partials in fp16 would round their sum
+  up to three times, fp32 adds round it at most once (to the wire dtype).
+  """
+  x, t = _exact_partials(32)
+  p = {"w1": jnp.ones((8, 16), F32), "b1": jnp.zeros((16,), F32)}
+  mesh, p, x32 = _place(kind, p, jnp.asarray(x, F32))
+  t32 = jax.device_put(jnp.asarray(t, F32), x32.sharding)
   reports = {}
   for mode in ("half_wire", "native"):
-    step = jax.jit(jax.grad(jaxmp.autocast(_mlp, grad_reduce=mode)))
+    step = jax.jit(jax.grad(jaxmp.autocast(_linear, grad_reduce=mode)))
     with jax.set_mesh(mesh):
-      reports[mode] = jaxmp.reduction_report(step, p, x)
-      grads[mode] = step(p, x)
+      reports[mode] = jaxmp.reduction_report(step, p, x32, t32)
+      if mode == "half_wire":
+        grads = step(p, x32, t32)
   wire = reports["half_wire"]
-  # The two products' weights: an all-to-all of half partials each, no
-  # all-reduce of their shape (the bias's sum is an fp32 all-reduce).
+  # The product's weight: an all-to-all of half partials, no all-reduce of
+  # its shape (the bias's sum is an fp32 all-reduce).
   assert _weight_sums(wire) == {("all-to-all", "f16"), ("all-reduce", "f32")}
   assert [r.shape for r in wire.sums()] == [(16,)], str(wire)
   half_sums = sum(r.bytes_sent for r in reports["native"].sums("f16"))
   a2a = sum(r.bytes_sent for r in wire.rows if r.op == "all-to-all")
   assert 0 < a2a <= 1.1 * half_sums
-  # Same gradient as native's, each within its own rounding to half.
-  for k in ("w1", "w2"):
-    np.testing.assert_allclose(
-      grads["half_wire"][k],
-      grads["native"][k],
-      rtol=0,
-      atol=4 * 2.0**-11 * float(jnp.max(jnp.abs(grads["native"][k]))),
-    )
+  _within_one_half_rounding(grads["w1"], x, t)
+  # native leaves the weight's sum in fp16, XLA's choice.
+  native = _weight_sums(reports["native"])
+  assert "f16" in {d for _, d in native}, str(reports["native"])
+
+
+def test_half_wire_where_it_cannot_split_the_batch():
+  """A batch the devices do not divide, or inside ``shard_map``: no error.
+
+  6 rows on 4 devices; inside ``shard_map`` the mesh's axes are manual (the
+  batch is already split). Either way the gradient is the fp64 sum within
+  one rounding to fp16 and fp32 adds. One program holds both.
+  """
+  mesh = _mesh("dp")
+  six, split = _exact_partials(6), _exact_partials(32)
+  p = {"w1": jnp.ones((8, 16), F32), "b1": jnp.zeros((16,), F32)}
+  grad = jax.grad(jaxmp.autocast(_linear, grad_reduce="half_wire"))
+  # p is the same on every device: its gradient comes back summed.
+  local = jax.shard_map(
+    grad, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P()
+  )
+
+  @jax.jit
+  def both(p, six, split):
+    return grad(p, *six), local(p, *split)
+
+  f32 = lambda a: jnp.asarray(a, F32)
+  with jax.set_mesh(mesh):
+    got = both(p, jax.tree.map(f32, six), jax.tree.map(f32, split))
+  for g, (x, t) in zip(got, (six, split)):
+    _within_one_half_rounding(g["w1"], x, t)
 
 
 def test_gradient_matches_one_device_within_fp32_rounding():
@@ -239,7 +301,8 @@ def test_gradient_matches_one_device_within_fp32_rounding():
   ``x16.T @ t`` with ``t`` exactly half, its fp64 value the truth. Each
   product of two halves is exact in fp32, so the fp32 route errs by at most
   ``n * eps32 * sum|x||t|`` (n terms summed); native rounds every device's
-  partial to fp16 (relative 2**-11) before the sum.
+  partial to fp16 (relative 2**-11) before the sum. A product asked for an
+  fp32 output (``preferred_element_type``) keeps the fp32 route's bound.
   """
   rng = np.random.default_rng(1)
   x = rng.normal(size=(64, 8)).astype(np.float16).astype(np.float32)
@@ -282,6 +345,14 @@ def test_gradient_matches_one_device_within_fp32_rounding():
   # is half), so even one device is off by up to half an fp16 ulp.
   assert np.max(errors["native"][0] - bound) > 0
 
+  # A product of fp16 data asked for an fp32 output: the weight's gradient
+  # leaves its backward product in fp32 too, never rounded to half.
+  def wide(w, x, t):
+    return jnp.sum(jnp.dot(x.astype(F16), w, preferred_element_type=F32) * t)
+
+  g = jax.jit(jax.grad(jaxmp.autocast(wide)))(w, x, t)
+  assert np.all(np.abs(np.asarray(g, np.float64) - truth) <= bound)
+
 
 def test_bad_grad_reduce_is_a_clear_error():
   bad = "fp16"
@@ -313,7 +384,12 @@ def test_pmean_grads_in_shard_map(mode):
   mesh = _mesh("dp")
   rng = np.random.default_rng(2)
   local = rng.normal(size=(4, 6, 5)).astype(np.float16)
-  grads = {"w": jnp.asarray(local), "b": jnp.asarray(local[:, 0], F32)}
+  v = np.asarray(jnp.asarray(rng.normal(size=(4, 3, 5)), BF16))
+  grads = {
+    "w": jnp.asarray(local),
+    "b": jnp.asarray(local[:, 0], F32),
+    "v": jnp.asarray(v, BF16),
+  }
 
   @jax.jit
   @functools.partial(
@@ -326,21 +402,32 @@ def test_pmean_grads_in_shard_map(mode):
   report = jaxmp.reduction_report(mean, grads)
   ops = {(r.op, r.dtype, r.shape) for r in report.rows}
   want = {
-    "fp32": {("all-reduce", "f32", (6, 5))},
+    "fp32": {("all-reduce", "f32", (6, 5)), ("all-reduce", "f32", (3, 5))},
     "half_wire": {("all-to-all", "f16", (4, 8)), ("all-gather", "f16", (32,))},
-    "native": {("all-reduce", "f16", (6, 5))},
+    "native": {("all-reduce", "f16", (6, 5)), ("all-reduce", "bf16", (3, 5))},
   }[mode]
   assert want <= ops, str(report)
+  # The bf16 leaf as the fp16 one: no half sum but native's, half_wire's
+  # partials sent in bf16.
+  half_sums = {r.dtype for r in report.sums() if r.dtype in HALF}
+  assert half_sums == ({"f16", "bf16"} if mode == "native" else set())
+  a2a = {r.dtype for r in report.rows if r.op == "all-to-all"}
+  assert a2a == ({"f16", "bf16"} if mode == "half_wire" else set())
   out = mean(grads)
-  assert out["w"].dtype == F16 and out["b"].dtype == F32
-  exact = local.astype(np.float64).mean(0)
-  # Rounded once to fp16 after an fp32 sum (half_wire: the chunk sum is
-  # rounded to fp16 for the gather, then the mean): within 1.5 fp16 ulps.
-  tol = 2.0**-10 * np.abs(exact) + 2.0**-24
-  if mode == "native":  # Summed in fp16: 3 roundings of partial sums.
-    tol = 4 * 2.0**-11 * np.abs(local.astype(np.float64)).sum(0) / 4 + tol
-  assert np.all(np.abs(np.asarray(out["w"], np.float64) - exact) <= tol)
-  np.testing.assert_allclose(out["b"], exact[0], rtol=1e-6, atol=1e-7)
+  assert (out["w"].dtype, out["b"].dtype, out["v"].dtype) == (F16, F32, BF16)
+  for k, parts, eps in (("w", local, 2.0**-11), ("v", v, 2.0**-8)):
+    parts = parts.astype(np.float64)
+    exact = parts.mean(0)
+    # Rounded once to half after an fp32 sum (half_wire: the chunk sum is
+    # rounded to half for the gather, then the mean): within 1.5 ulps.
+    tol = 2 * eps * np.abs(exact) + 2.0**-24
+    if mode == "native":  # Summed in half: 3 roundings of partial sums.
+      tol = 4 * eps * np.abs(parts).sum(0) / 4 + tol
+    err = np.abs(np.asarray(out[k], np.float64) - exact)
+    assert np.all(err <= tol), k
+  np.testing.assert_allclose(
+    out["b"], local[:, 0].astype(np.float64).mean(0), rtol=1e-6, atol=1e-7
+  )
 
 
 def test_reduction_report_rows_bytes_and_table():
@@ -568,6 +655,63 @@ def test_app_steps_sum_in_fp32_on_4_devices(make_config, data_dir, policy):
   sums = {(r.dtype, r.shape) for r in report.sums()}
   assert ("f32", kernel) in sums, str(report)
   assert not [r for r in report.sums() if r.dtype in HALF], str(report)
+
+
+@pytest.mark.parametrize(
+  "policy,mode", [("O1", None), ("O1", "half_wire"), ("O2", "half_wire")]
+)
+def test_app_steps_sum_as_configured_on_4_devices(
+  make_config, data_dir, tiny_data, monkeypatch, policy, mode
+):
+  """The app's own train call (`loop.compile_steps`), as its config says.
+
+  ``None``: a config without ``grad_reduce`` (an older one) sums in fp32.
+  O1's ``grad_reduce`` reaches autocast (through the model's clone to one
+  block), O2's ``jaxmp.value_and_grad``; both are traced with the job's
+  mesh, over which ``"half_wire"`` splits the batch.
+  """
+  from _helpers import one_block_models  # pylint: disable=g-import-not-at-top
+  from cifar_train import loop  # pylint: disable=g-import-not-at-top
+  from cifar_train import settings  # pylint: disable=g-import-not-at-top
+  from cifar_train import steps  # pylint: disable=g-import-not-at-top
+
+  one_block_models(monkeypatch)
+  config = make_config(
+    data_dir,
+    policy=policy,
+    num_devices=4,
+    batch_size=8,
+    steps_per_call=1,
+    data_on_device=False,  # The step is one jitted program.
+  )
+  if mode is None:
+    del config["grad_reduce"]
+  else:
+    config.grad_reduce = mode
+  s = settings.resolve(config)
+  assert s.precision.grad_reduce == (mode or "fp32")
+  job = loop.set_up(s, tiny_data)
+  source = loop.make_batch_source(job)
+  step_fn, _ = loop.compile_steps(job, source)
+  like = lambda x: jax.ShapeDtypeStruct(
+    x.shape, x.dtype, weak_type=x.weak_type, sharding=job.replicated
+  )
+  state = jax.tree.map(like, loop.make_init(job).trace().out_info)
+  metrics = jax.tree.map(
+    like, jax.eval_shape(steps.zero_metrics, state.opt_state)
+  )
+  report = jaxmp.reduction_report(
+    step_fn, state, *source.step_args_like(), metrics
+  )
+  conv, fc = (state.params[k]["kernel"].shape for k in ("conv1", "fc"))
+  sums = {(r.dtype, r.shape) for r in report.sums()}
+  assert not [r for r in report.sums() if r.dtype in HALF], str(report)
+  a2a = {r.dtype for r in report.rows if r.op == "all-to-all"}
+  fc_sums = {("f32", fc), ("f32", fc[::-1])} & sums  # Either layout.
+  if mode is None:
+    assert ("f32", conv) in sums and fc_sums and not a2a, str(report)
+  else:  # The dense kernel's partials sent in half, no sum of its shape.
+    assert a2a == {"f16"} and not fc_sums, str(report)
 
 
 def test_app_config_names_its_mode(make_config, data_dir, tmp_path, capsys):

@@ -60,6 +60,12 @@ def _bits(x):
 
 @pytest.mark.invariant
 def test_each_leaf_as_under_its_mode_alone():
+  """Each leaf bit for bit as under its own mode alone; the state's record.
+
+  Bit for bit, so it runs in the test command's second half only
+  (``-m invariant``, XLA's default flags): the first half's fast-compile
+  flags round some fused expressions differently in two programs.
+  """
   params = _params()
   fn = lambda path, p: MODES[path[0].key]
   got, state = _run(fn, params)
@@ -119,3 +125,19 @@ def test_report_choice_and_errors():
   )
   assert state.master_params["w"].dtype == jnp.float32
   assert state.master_params["v"] is None and state.remainder["v"] is not None
+  # Modes given for a subtree: each of its leaves takes the subtree's. An
+  # fp32 param is its own master under any mode: no buffer, no bytes saved.
+  tree = {
+    "w": jnp.ones(4, jnp.float16),
+    "sub": {"x": jnp.ones(4, jnp.bfloat16), "y": jnp.ones(4, jnp.float32)},
+  }
+  state = jaxmp.mixed_precision(
+    optax.sgd(0.1), master_weights={"w": "fp32", "sub": "kahan"}
+  ).init(tree)
+  assert state.master_params["w"].dtype == jnp.float32
+  assert state.compensation["sub"]["x"].dtype == jnp.bfloat16
+  assert state.compensation["sub"]["y"] is None
+  summary = jaxmp.state_summary(state)
+  assert summary.master_modes["['sub']['y']"] == "kahan"
+  # Against fp32 masters: x's compensation saves 2 of 4 bytes; w none.
+  assert summary.masters_saved == 2 * 4

@@ -6,6 +6,7 @@ master. Counts are exact; ``quality`` sums ``n`` fp32 products, so it is
 compared with float64 within ``n`` ulps of fp32.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -164,12 +165,14 @@ def test_off_is_todays_state_and_step():
 
 def test_known_failures_and_advice():
   # A LayerNorm scale of ones at Adam lr 1e-4, and decay with lr*wd = 1e-6
-  # (no gradient): bf16 alone never moves; a small-update leaf next to them.
+  # (no gradient): bf16 alone never moves; a small-update leaf next to them;
+  # a frozen leaf (zero gradient, zero value: no update at all).
   params = {
     "scale": jnp.ones(8, jnp.bfloat16),
     "w": jnp.full(8, 1e-3, jnp.bfloat16),
     "f": jnp.ones(8, jnp.float32),
     "tiny": jnp.full(8, 1e-6, jnp.float16),  # fp16 subnormals
+    "frozen": jnp.zeros(8, jnp.bfloat16),
   }
   opt = jaxmp.mixed_precision(
     optax.adamw(1e-4, weight_decay=1e-2), loss_scale=1.0, rounding_every=1
@@ -180,8 +183,10 @@ def test_known_failures_and_advice():
     "w": jnp.ones(8, jnp.bfloat16),
     "f": jnp.zeros(8, jnp.float32),
     "tiny": jnp.zeros(8, jnp.float16),
+    "frozen": jnp.zeros(8, jnp.bfloat16),
   }
-  _, state = jax.jit(opt.update)(grads, state, params)
+  update = jax.jit(opt.update)
+  _, state = update(grads, state, params)
   report = jaxmp.rounding_report(state)
   rows = {r.path: r for r in report}
   assert rows["['scale']"].stalled == 1.0 and rows["['scale']"].quality == 0
@@ -197,14 +202,63 @@ def test_known_failures_and_advice():
   assert rows["['tiny']"].flushed == 1.0
   assert rows["['tiny']"].master_weights == "fp32"
   assert rows["['tiny']"].advice.startswith("fp32 masters: fp16 holds 100%")
-  assert report[-1].path == "['w']" and report.step == 1
+  # No update loses nothing: quality 1, nothing stalled, bf16 alone.
+  frozen = rows["['frozen']"]
+  assert (frozen.stalled, frozen.quality, frozen.flushed) == (0, 1, 0)
+  assert frozen.master_weights == "none"
+  assert report.step == 1 and {r.path for r in report[-2:]} == {
+    "['w']",
+    "['frozen']",
+  }
   # Like the other two reports: a list of its rows, also as ``.rows``.
-  assert len(report) == 4 and report.rows == tuple(report)
+  assert len(report) == 5 and report.rows == tuple(report)
   assert "scale" in str(report) and "stalled" in str(report)
   choice = report.master_weights()
   assert choice["['w']"] == "none" and choice["['scale']"] == "remainder"
-  path = jax.tree_util.tree_flatten_with_path(params)[0][1][0]
+  path = jax.tree_util.tree_flatten_with_path(params)[0][2][0]
   assert choice(path, params["scale"]) == "remainder"
+  # A leaf the report does not name takes the default asked for.
+  unnamed = (jax.tree_util.DictKey("new"),)
+  assert choice(unnamed, params["w"]) == "fp32"
+  other = report.master_weights(default="kahan")
+  assert other(unnamed, params["w"]) == "kahan" and other == choice
+  # A skipped step (an overflow) at every=1 measures nothing: the figures
+  # of applied step 1 stay.
+  bad = {k: np.full(g.shape, np.inf, g.dtype) for k, g in grads.items()}
+  _, skipped = update(bad, state, params)
+  assert int(skipped.rounding.applied) == 1
+  for a, b in zip(
+    jax.tree.leaves(skipped.rounding), jax.tree.leaves(state.rounding)
+  ):
+    np.testing.assert_array_equal(a, b)
+  assert jaxmp.rounding_report(skipped) == report
+
+
+# Figures on each side of the advice's thresholds (1% stalled, quality
+# within 0.1 of 1), one leaf each: (stalled, quality, needs masters).
+_NEAR = {
+  "['a']": (0.02, 1.0, True),  # fp32: bf16 would lose 2% of its updates.
+  "['b']": (0.005, 1.0, False),
+  "['c']": (0.0, 0.71, True),  # Nothing stalled, updates cut short.
+  "['d']": (0.0, 1.05, False),
+  "['e']": (0.0, 1.2, True),  # Updates overshoot.
+}
+
+
+def test_advice_on_each_side_of_its_thresholds():
+  params = {k: jnp.ones(2, jnp.bfloat16) for k in "bcde"}
+  params["a"] = jnp.ones(2, jnp.float32)
+  state = _opt(1).init(params)
+  paths = state.rounding.paths
+  figures = dataclasses.replace(
+    state.rounding,
+    step=jnp.ones([], jnp.int32),
+    stalled=jnp.asarray([_NEAR[p][0] for p in paths], jnp.float32),
+    quality=jnp.asarray([_NEAR[p][1] for p in paths], jnp.float32),
+  )
+  report = jaxmp.rounding_report(state._replace(rounding=figures))
+  got = {r.path: r.master_weights != "none" for r in report}
+  assert got == {p: v[2] for p, v in _NEAR.items()}, str(report)
 
 
 @pytest.mark.devices(4)

@@ -145,6 +145,7 @@ def test_precision_record(policy, param, compute, norm, scale_type, masters):
     ({"max_nonfinite_loss_steps": 0}, "max_nonfinite_loss_steps must be >= 1"),
     ({"spike_skip_window": 1}, "spike_skip_window.*must be >= 2"),
     ({"spike_skip_window": -1}, "spike_skip_window must be 0 \\(off\\)"),
+    ({"rounding_every": -1}, "rounding_every must be an int >= 0, got -1"),
     (
       {"spike_skip_window": 8, "spike_skip_factor": 0.0},
       "spike_skip_factor.*factor must be a finite number > 0",

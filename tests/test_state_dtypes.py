@@ -83,30 +83,56 @@ REFUSED = [
 ]
 
 
+# The same, each mode chosen per leaf (the fp32 "b" under another mode);
+# and a choice by dtype, whose fp32 "w" no longer names the remainder it has.
+REFUSED += [({"b": "kahan", "w": m}, b, s, w) for m, b, s, w in REFUSED]
+REFUSED.append(
+  (
+    lambda path, p: "remainder" if p.dtype == BF16 else "fp32",
+    BF16,
+    F32,
+    r"remainder\['w'\] \(int16\) belongs to a bfloat16.*params\['w'\] is float32",
+  )
+)
+
+
+def _id(mode, built, stepped, *_):
+  if callable(mode):
+    name = "per-leaf-by-dtype"
+  else:
+    name = mode if isinstance(mode, str) else f"per-leaf-{mode['w']}"
+  return f"{name}-{jnp.dtype(built).name}-{jnp.dtype(stepped).name}"
+
+
 @pytest.mark.parametrize(
-  "mode, built, stepped, words",
-  REFUSED,
-  ids=[
-    f"{m}-{jnp.dtype(b).name}-{jnp.dtype(s).name}" for m, b, s, _ in REFUSED
-  ],
+  "mode, built, stepped, words", REFUSED, ids=[_id(*r) for r in REFUSED]
 )
 def test_update_refuses_a_state_built_for_another_dtype(
   mode, built, stepped, words
 ):
   opt = _opt(mode)
-  state = opt.init(_tree(built))
-  params = _tree(stepped, 2.0)
+  # Shapes alone: refused at trace time, nothing computed.
+  state = jax.eval_shape(lambda: opt.init(_tree(built)))
+  params = jax.eval_shape(lambda: _tree(stepped, 2.0))
   with pytest.raises(ValueError, match="built for params of another dtype"):
-    jax.eval_shape(opt.update, params, state, params)  # At trace time.
+    jax.eval_shape(opt.update, params, state, params)
   with pytest.raises(ValueError, match=words):
-    opt.update(params, state, params)
+    jax.eval_shape(opt.update, params, state, params)
+
+
+HANDLED = [("fp32", BF16, F16), ("stochastic", F32, BF16), ("none", F32, BF16)]
+
+
+def test_per_leaf_modes_take_the_mismatches_their_modes_take():
+  for mode, built, stepped in HANDLED:
+    opt = _opt({"b": "kahan", "w": mode})
+    params = jax.eval_shape(lambda: _tree(stepped, 2.0))
+    state = jax.eval_shape(lambda: opt.init(_tree(built)))
+    jax.eval_shape(opt.update, params, state, params)
 
 
 @pytest.mark.invariant
-@pytest.mark.parametrize(
-  "mode, built, stepped",
-  [("fp32", BF16, F16), ("stochastic", F32, BF16), ("none", F32, BF16)],
-)
+@pytest.mark.parametrize("mode, built, stepped", HANDLED)
 def test_update_steps_the_mismatches_it_handles(mode, built, stepped):
   """No buffer depends on the dtype: the step is a fresh state's."""
   opt = _opt(mode)

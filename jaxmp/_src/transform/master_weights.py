@@ -565,52 +565,73 @@ def check_dtypes(mode: Mode, params: Any, buffers: Buffers) -> None:
   joins the param's bits as if they were another dtype's. Each such leaf is
   refused. ``"stochastic"`` and ``"none"`` keep no per-param buffer: any
   dtype steps as it should. So does a float16 param with the fp32 master of
-  a bfloat16 one (the master is its fp32 value either way).
+  a bfloat16 one (the master is its fp32 value either way). Per-leaf modes
+  are checked leaf by leaf: each buffer a leaf has, and the buffer of its
+  own mode where it has none, in the same words.
 
   Raises:
     ValueError: naming the first such leaf by its path, its dtype and the
       dtype its buffer was built for.
   """
-  field = _DTYPE_BUFFERS.get(mode.name)
-  tree = None if field is None else getattr(buffers, field)
-  if tree is None:
-    return
   leaves, treedef = jax.tree_util.tree_flatten_with_path(
     params, is_leaf=is_empty
   )
-  for (path, p), b in zip(leaves, treedef.flatten_up_to(tree)):
-    if is_empty(p) or isinstance(b, Placeholder) or not hasattr(p, "dtype"):
+  if isinstance(mode, PerLeaf):
+    modes = iter(mode.resolve(params))  # One per param that is not None.
+    own = [None if is_empty(p) else next(modes) for _, p in leaves]
+    own = [_DTYPE_BUFFERS.get(m) for m in own]  # Its own mode's buffer.
+    fields = tuple(_DTYPE_BUFFERS.values())
+  else:
+    field = _DTYPE_BUFFERS.get(mode.name)
+    if field is None or getattr(buffers, field) is None:
+      return
+    own, fields = [field] * len(leaves), (field,)
+  trees = {f: getattr(buffers, f) for f in fields}
+  flat = {  # Each field's buffer per leaf (all None where it has no tree).
+    f: [None] * len(leaves) if t is None else treedef.flatten_up_to(t)
+    for f, t in trees.items()
+  }
+  for i, (path, p) in enumerate(leaves):
+    if is_empty(p) or not hasattr(p, "dtype"):
       continue
-    got = jnp.dtype(p.dtype)
-    half = dtypes.is_half(p)
-    if b is None:
-      built = None if half else got  # No buffer: built for a full param.
-    elif field == "master_params":
-      built = got if half else "half-precision (bfloat16 or float16)"
-    elif field == "remainder":
-      built = jnp.dtype(jnp.bfloat16)
-    else:
-      built = jnp.dtype(b.dtype)
-    if built is not None and built == got:
-      continue
-    where = jax.tree_util.keystr(path)
-    if b is None:
-      why = (
-        f"state.{field}{where} is None, as for a float32 param (its own "
-        f"master), but params{where} is {got.name} (was opt.init called "
-        "before the params were cast to half precision?)"
-      )
-    else:
-      built_name = getattr(built, "name", built)
-      why = (
-        f"state.{field}{where} ({jnp.dtype(b.dtype).name}) belongs to a "
-        f"{built_name} param, but params{where} is {got.name}"
-      )
-    raise ValueError(
-      f"the optimizer state was built for params of another dtype: {why}. "
-      "Build the state with opt.init(params) from the params as they are "
-      "stepped (after any cast)"
+    for field in fields:
+      b = flat[field][i]
+      if isinstance(b, Placeholder) or (b is None and field != own[i]):
+        continue
+      why = _mismatch(field, b, p, jax.tree_util.keystr(path))
+      if why:
+        raise ValueError(
+          "the optimizer state was built for params of another dtype: "
+          f"{why}. Build the state with opt.init(params) from the params as "
+          "they are stepped (after any cast)"
+        )
+
+
+def _mismatch(field: str, b: Any, p: Any, where: str) -> Optional[str]:
+  """Why buffer ``b`` (of ``field``) does not fit param ``p``, or None."""
+  got = jnp.dtype(p.dtype)
+  half = dtypes.is_half(p)
+  if b is None:
+    built = None if half else got  # No buffer: built for a full param.
+  elif field == "master_params":
+    built = got if half else "half-precision (bfloat16 or float16)"
+  elif field == "remainder":
+    built = jnp.dtype(jnp.bfloat16)
+  else:
+    built = jnp.dtype(b.dtype)
+  if built is not None and built == got:
+    return None
+  if b is None:
+    return (
+      f"state.{field}{where} is None, as for a float32 param (its own "
+      f"master), but params{where} is {got.name} (was opt.init called "
+      "before the params were cast to half precision?)"
     )
+  built_name = getattr(built, "name", built)
+  return (
+    f"state.{field}{where} ({jnp.dtype(b.dtype).name}) belongs to a "
+    f"{built_name} param, but params{where} is {got.name}"
+  )
 
 
 def get_mode(master_weights, rounding_key=0) -> Mode:
