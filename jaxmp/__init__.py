@@ -31,6 +31,7 @@ from jaxmp._src.transform.calibrate import calibrate_loss_scale
 from jaxmp._src.nn.compiler import cpu_compiler_options
 from jaxmp._src.autocast.fp8 import Fp8Recipe
 from jaxmp._src.autocast.block_recipe import BlockRecipe
+from jaxmp._src.autocast.block import quantize
 from jaxmp._src.presets.initialize import initialize
 from jaxmp._src.reduction.report import Reduction
 from jaxmp._src.reduction.report import reduction_report
@@ -84,6 +85,7 @@ __all__ = (
   "pmean_grads",
   "Preset",
   "PRESETS",
+  "quantize",
   "Reduction",
   "reduction_report",
   "ReductionReport",

@@ -50,6 +50,7 @@ PUBLIC = {
     "pmean_grads",
     "Preset",
     "PRESETS",
+    "quantize",
     "Reduction",
     "reduction_report",
     "ReductionReport",
