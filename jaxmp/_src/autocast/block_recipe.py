@@ -219,20 +219,25 @@ def rotated_quantize(x, fmt, axis, m, key=None):
 
 
 def data_key(x, seed: int):
-  """A PRNG key from ``x``'s bits and positions (wrapping uint32 sums).
+  """A PRNG key from ``x``'s bits and positions.
 
-  The sum is exact in any order, so a sharded ``x`` gives the key of the
-  whole array.
+  Each element's bits, offset by its position, go through a 32-bit mixing
+  function (murmur3's finalizer) and the results are summed with uint32
+  wrap-around: exact in any order, so a sharded ``x`` gives the key of the
+  whole array, and any change of ``x`` changes the key.
   """
   bits = lax.bitcast_convert_type(jnp.asarray(x).astype(_F32), jnp.uint32)
-  pos = jnp.ones(bits.shape, jnp.uint32)
+  pos = jnp.zeros(bits.shape, jnp.uint32)
   stride = 1
   for d in range(bits.ndim - 1, -1, -1):
-    pos = pos + lax.broadcasted_iota(jnp.uint32, bits.shape, d) * np.uint32(
-      (2 * stride + 1) % 2**32
-    )
-    stride = (stride * bits.shape[d]) % 2**32
-  h = jnp.sum(bits * pos, dtype=jnp.uint32)
+    iota = lax.broadcasted_iota(jnp.uint32, bits.shape, d)
+    pos = pos + iota * np.uint32(stride % 2**32)
+    stride *= bits.shape[d]
+  v = bits + pos * np.uint32(0x9E3779B9)
+  v = (v ^ (v >> 16)) * np.uint32(0x85EBCA6B)
+  v = (v ^ (v >> 13)) * np.uint32(0xC2B2AE35)
+  v = v ^ (v >> 16)
+  h = jnp.sum(v, dtype=jnp.uint32)
   return jax.random.fold_in(jax.random.key(seed), h)
 
 
