@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import jaxmp
 from jaxmp._src.autocast import block
@@ -220,3 +222,57 @@ def test_weight_role_and_kept_products():
   pair = (_q(w.T, "fp8_128x128", 1), _q(t.T, "fp8_1x128", 0))
   _close(got, pair, slack=np.abs(pair[0] @ pair[1]) * 2.0**-8)
   assert _far(got, (_q(w.T, "fp8_1x128", 1), pair[1]))
+
+
+def _chain(ws, x):
+  for w in ws:
+    x = (x @ w).astype(jnp.float32)
+  return jnp.sum(x * x)
+
+
+def _scanned(ws, x):
+  body = jax.checkpoint(lambda x, w: ((x @ w).astype(jnp.float32), None))
+  return jnp.sum(jnp.square(jax.lax.scan(body, x, ws)[0]))
+
+
+def test_scan_and_remat_give_the_unrolled_chains_gradients():
+  rng = np.random.default_rng(2)
+  ws = jnp.asarray(rng.normal(size=(2, 32, 32)) / 6, jnp.float32)
+  x = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
+  grads = [
+    jax.jit(jax.grad(jaxmp.autocast(f, fp8="mxfp8"), (0, 1)))(ws, x)
+    for f in (_chain, _scanned)
+  ]
+  for a, b in zip(*grads):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.abs(a).max())
+
+
+def test_shard_map_over_the_batch_is_one_device_and_non_finite_propagates():
+  """MXFP8 blocks of 32 rows per shard: the shards' blocks are the whole
+  batch's, so only the weight gradient's cross-shard sum order differs."""
+  x, w, c = _data()
+  x = np.concatenate([x] * 4)[:, :64].astype(jnp.bfloat16)  # 128 rows
+  w, c = w[:64], np.concatenate([c] * 4)
+  mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
+
+  def local(x, w, c):
+    return jax.lax.psum(_loss(x, w, c)[0], "d")
+
+  sharded = jax.shard_map(
+    local, mesh=mesh, in_specs=(P("d"), P(), P("d")), out_specs=P()
+  )
+  grads = [
+    jax.jit(jax.grad(jaxmp.autocast(f, fp8="mxfp8"), (0, 1)))(x, w, c)
+    for f in (lambda *a: _loss(*a)[0], sharded)
+  ]
+  (dx1, dw1), (dx4, dw4) = grads
+  assert dx1.dtype == dx4.dtype == jnp.bfloat16  # in the inputs' dtypes
+  assert dw1.dtype == dw4.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(dx1), np.asarray(dx4))
+  bound = np.abs(np.asarray(x, np.float64)).T @ np.abs(c) * 128 * 4 * F32_EPS
+  assert np.all(np.abs(np.asarray(dw1) - np.asarray(dw4)) <= bound)
+  # A non-finite operand: non-finite gradients (mixed_precision skips).
+  x, w, c = _data()
+  x[3, 5] = np.inf
+  _, (dx, dw) = _grad(RECIPES["mxfp8"])(x, w, c)
+  assert not np.any(np.isfinite(np.asarray(dw)))
