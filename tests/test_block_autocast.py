@@ -248,8 +248,11 @@ def test_scan_and_remat_give_the_unrolled_chains_gradients():
 
 
 def test_shard_map_over_the_batch_is_one_device_and_non_finite_propagates():
-  """MXFP8 blocks of 32 rows per shard: the shards' blocks are the whole
-  batch's, so only the weight gradient's cross-shard sum order differs."""
+  """One device's gradients from 4 shards of 32 rows.
+
+  MXFP8's blocks of 32 rows per shard are the whole batch's blocks, so only
+  the weight gradient's cross-shard sum order differs.
+  """
   x, w, c = _data()
   x = np.concatenate([x] * 4)[:, :64].astype(jnp.bfloat16)  # 128 rows
   w, c = w[:64], np.concatenate([c] * 4)
