@@ -9,6 +9,8 @@ is checked bit for bit against numpy in its own tests.
 """
 
 import functools
+import os
+import runpy
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ import jaxmp
 from jaxmp._src.autocast import block
 from jaxmp._src.autocast import block_recipe
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32_EPS = 2.0**-24
 M, K, N = 32, 256, 160  # x: (M, K) @ w: (K, N); M: two Hadamard blocks.
 RECIPES = {
@@ -279,3 +282,15 @@ def test_shard_map_over_the_batch_is_one_device_and_non_finite_propagates():
   x[3, 5] = np.inf
   _, (dx, dw) = _grad(RECIPES["mxfp8"])(x, w, c)
   assert not np.any(np.isfinite(np.asarray(dw)))
+
+
+def test_block_scaled_mlp_example_runs(capsys):
+  ns = runpy.run_path(
+    os.path.join(ROOT, "examples", "block_scaled_mlp.py"), run_name="x"
+  )
+  args = "--steps 2 --width 32 --batch-size 16 --recipes nvfp4".split()
+  finals = ns["main"](args)
+  assert sorted(finals) == ["bf16", "nvfp4"]
+  assert all(np.isfinite(v) for v in finals.values())
+  assert finals["bf16"] != finals["nvfp4"]  # trained and evaluated in fp4
+  assert "nvfp4: final loss" in capsys.readouterr().out
