@@ -24,6 +24,7 @@ primitives with bodies (``reduce`` with a custom computation, ``scatter-add``
 and its kin), bitcasts and callbacks run at their traced dtypes.
 """
 
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -239,8 +240,14 @@ class Interpreter:
     ]
     weight = 1 if wide[1] else (0 if wide[0] else None)
 
+    # The dequantized operands multiplied exactly in float32 (not TF32, a
+    # GPU's default), as a block-scaled GEMM multiplies codes and scales.
+    highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+
     def prim(a, b):
-      return ji.bind(eqn, [a, b], preferred_element_type=rules.F32)[0]
+      return ji.bind(
+        eqn, [a, b], preferred_element_type=rules.F32, precision=highest
+      )[0]
 
     dims = ji.params(eqn)["dimension_numbers"]
     return [
