@@ -29,8 +29,10 @@ activations. 2D formats (``fp8_128x128``, ``nvfp4_16x16``) block the
 quantization axis and the last other axis: for a matrix, the same blocks in
 the forward and the backward pass.
 
-On a CPU (and wherever ``jax.nn.scaled_dot_general`` does not lower) the
-products are emulated: quantize, dequantize, float32 ``dot_general``.
+The products are emulated: quantize, dequantize, a float32 ``dot_general``
+at HIGHEST precision. On GPUs with block-scaled GEMMs (``BlockRecipe.native``)
+the MXFP8 forward products go through ``jax.nn.scaled_dot_general`` instead,
+with the same results.
 """
 
 import dataclasses
@@ -89,9 +91,12 @@ class BlockRecipe:
       (``jax.named_scope`` and module paths, e.g. ``"head"``): a product
       that matches runs in autocast's dtype (bf16), not block-scaled.
     seed: the seed of the Hadamard signs and of the stochastic rounding.
-    native: route products through ``jax.nn.scaled_dot_general``. ``None``
-      (default): where it lowers (jax >= 0.11: CPUs, Blackwell GPUs);
-      ``False``: always emulate.
+    native: route MXFP8 forward products through
+      ``jax.nn.scaled_dot_general`` (same results: the dequantized operands
+      are MXFP8 values, which it quantizes again to themselves). ``None``
+      (default): on GPUs with block-scaled GEMMs (compute capability 10.0
+      or later, jax >= 0.11); ``True``: also on CPUs (jax >= 0.11, where it
+      lowers); ``False``: always emulate.
     name: the recipe's name (a preset's name, or ``"custom"``).
   """
 
@@ -345,17 +350,18 @@ def _jax_version() -> Tuple[int, ...]:
   return tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:2])
 
 
-def native_available() -> bool:
-  """Whether ``jax.nn.scaled_dot_general`` lowers on the default backend.
+def native_available(cpu: bool = False) -> bool:
+  """Whether ``jax.nn.scaled_dot_general`` runs natively here.
 
-  From jax 0.11 on CPUs; on NVIDIA GPUs of compute capability 10.0 or later
-  (cuDNN's block-scaled GEMMs).
+  On NVIDIA GPUs of compute capability 10.0 or later (cuDNN's block-scaled
+  GEMMs), from jax 0.11 on; with ``cpu``, also on CPUs from jax 0.11 on
+  (where it lowers to an emulation of its own).
   """
   if not hasattr(jax.nn, "scaled_dot_general") or _jax_version() < (0, 11):
     return False
   backend = jax.default_backend()
   if backend == "cpu":
-    return True
+    return cpu
   if backend in ("gpu", "cuda"):
     cc = getattr(jax.devices()[0], "compute_capability", None)
     try:
@@ -372,10 +378,14 @@ def _forward_dot(prim, dimension_numbers, qa, qb, fmt_a, fmt_b, recipe):
   the dequantized operands are exactly MXFP8 values, which it quantizes
   again to the same values, so the result is the emulation's.
   """
-  use = recipe.native if recipe.native is not None else native_available()
+  if recipe.native is False:
+    return prim(qa, qb)
+  use = native_available(cpu=bool(recipe.native))
   mx = fmt_a == fmt_b == "mxfp8"
   (lc, _), _ = dimension_numbers
-  if use and mx and len(lc) == 1:  # pragma: no cover - jax >= 0.11.
+  # Its quantizer takes whole blocks along one contraction dim only.
+  whole = len(lc) == 1 and qa.shape[lc[0]] % 32 == 0
+  if use and mx and whole:  # pragma: no cover - jax >= 0.11.
     config = jax.nn.get_scaled_dot_general_config("mxfp8")
     return jax.nn.scaled_dot_general(
       qa,
