@@ -51,10 +51,11 @@ def mx_exponent(amax, fmax):
   return max(k, -127)
 
 
-def reference(x, fmt):
+def reference(x, fmt, amax_t=None):
   """(codes, scales, T, dequantized, codes times scales in float64).
 
-  Blocks along the last axis (1D formats) or the last two axes (2D).
+  Blocks along the last axis (1D formats) or the last two axes (2D);
+  NVFP4's T from ``amax_t`` if given, else from ``max |x|``.
   """
   blk, elem, fmax, rule = FMTS[fmt]
   x = np.asarray(x, np.float32).astype(np.float64)
@@ -69,7 +70,7 @@ def reference(x, fmt):
   scales = np.zeros(lead + grid)
   t = None
   if rule == "nvfp4":
-    amax_t = np.abs(x).max()
+    amax_t = np.abs(x).max() if amax_t is None else amax_t
     t = f32(min(f32(2688.0 / amax_t), F32_MAX)) if amax_t > 0 else 1.0
   for li in np.ndindex(*lead):
     for bi in np.ndindex(*grid):
@@ -120,6 +121,7 @@ SCENARIOS = (  # (amax planted at the head of every 16 elements, fill)
   (500.0, "midpoints"),  # x / (500 / 448) near e4m3 rounding midpoints
   (3.0, "lognormal"),
   (1.0, "lognormal"),
+  (2.0**-118, "rand"),  # mxfp8 scales at 2**-126
 )
 
 
@@ -127,12 +129,14 @@ def scenario_rows(cols, seed=0):
   """(len(SCENARIOS), cols) float32, one edge case a row."""
   rng = np.random.default_rng(seed)
   rows = []
-  mid = np.arange(16.0, 400.0, 8.0) + 1.0  # e4m3 midpoints in [16, 32)...
-  mid = np.concatenate([np.arange(8.5, 16.0, 1.0), mid[mid < 32], mid])
+  grid = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float64)
+  grid = np.unique(grid[np.isfinite(grid) & (grid >= 0)])
+  mid = (grid[1:] + grid[:-1]) / 2  # e4m3's rounding midpoints
+  mid = mid[(mid > 1) & (mid < 400)]
   for amax, fill in SCENARIOS:
     sign = rng.choice([-1.0, 1.0], cols)
     if fill == "zero":
-      r = np.zeros(cols)
+      r = 0.0 * sign  # signed zeros
     elif fill == "rand":
       r = rng.uniform(-1, 1, cols) * amax
     elif fill == "one_huge":
@@ -147,6 +151,7 @@ def scenario_rows(cols, seed=0):
       r = rng.standard_normal(cols) * np.exp(rng.uniform(-6, 6, cols)) * amax
     if fill != "one_huge":
       r[::16] = amax * sign[::16]
+    r[9::37] = -0.0
     rows.append(r)
   return np.asarray(rows, np.float32)
 
@@ -165,6 +170,8 @@ def program(fmt, axis):
 def check(fmt, x, q, deq, move):
   """``q`` and ``deq`` against the reference of ``move(x)`` (blocks last)."""
   codes, scales, t, ref_deq, exact = reference(move(x), fmt)
+  assert isinstance(q, block.Quantized) and q.fmt == fmt
+  assert len(jax.tree_util.tree_leaves(q)) == (3 if t is not None else 2)
   data = move(np.asarray(q.data))
   assert q.data.dtype == FMTS[fmt][1] and q.data.shape == x.shape
   np.testing.assert_array_equal(data.view(np.uint8), codes.view(np.uint8))
@@ -215,3 +222,128 @@ def test_matches_reference(fmt):
     x = np.where(np.abs(x) >= 1e30, np.float32(2.0), x)
     q, deq = program(fmt, -1)(x)
     check(fmt, x, q, deq, lambda a: a)
+
+
+@functools.lru_cache(maxsize=None)
+def stochastic_program():
+  """NVFP4 with stochastic rounding, both block shapes, a batch of keys."""
+
+  def one(x, key):
+    q1 = jaxmp.quantize(x, "nvfp4", key=key)
+    q2 = jaxmp.quantize(x, "nvfp4_16x16", key=key)
+    return q1.data, q1.dequantize(), q2.data, q2.dequantize()
+
+  return jax.jit(jax.vmap(one, in_axes=(None, 0)))
+
+
+def e2m1_step(y):
+  """The e2m1 grid's step at ``|y|`` (0.5 below 2, 1 below 4, then 2)."""
+  a = np.abs(y)
+  return np.where(a < 2, 0.5, np.where(a < 4, 1.0, 2.0))
+
+
+def test_stochastic_rounding_unbiased_neighbours_and_per_key():
+  """Codes are grid neighbours of x * T / b, unbiased, fixed by the key."""
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((4, 40)) * np.exp(rng.uniform(-2, 2, (4, 40)))
+  x = x.astype(np.float32)
+  n = 2048
+  keys = jax.random.split(jax.random.key(0), n)
+  out = [np.asarray(o) for o in stochastic_program()(x, keys)]
+  for fmt, data, deq in (("nvfp4", *out[:2]), ("nvfp4_16x16", *out[2:])):
+    _, scales, t, _, _ = reference(x, fmt)
+    blk = FMTS[fmt][0]
+    b = scales
+    for axis, size in zip(range(-len(blk), 0), blk):
+      b = np.repeat(b, size, axis=axis)
+    b = b[: x.shape[0], : x.shape[1]]
+    # The value before rounding, as the reference computes it.
+    y = np.where(
+      b > 0, np.clip(f32(f32(x * t) / np.where(b > 0, b, 1)), -6, 6), 0
+    )
+    codes = data.astype(np.float64)
+    step = e2m1_step(y)
+    assert np.all(np.abs(codes - y) < step), "not a grid neighbour"
+    a = np.abs(y)
+    frac = (a - np.floor(a / step) * step) / step
+    mixed = (frac > 0.1) & (frac < 0.9)
+    up = np.abs(codes) > a  # rounded up, per key
+    both = up.any(0) & (~up).any(0)  # each neighbour drawn by some key
+    assert mixed.sum() > 50 and np.all(both[mixed])
+    # Each code is lo or lo + step, up with probability (y - lo) / step:
+    # its mean over n keys is y within 6 standard deviations.
+    tol = 6 * step / (2 * np.sqrt(n)) + step * 2.0**-22
+    np.testing.assert_array_less(np.abs(codes.mean(0) - y), tol)
+    # All draws together: the magnitude's error in steps has mean 0 and a
+    # standard deviation of at most 1/2 a draw (a bias of 1% of a step
+    # shows).
+    z = ((np.abs(codes) - a) / step)[:, mixed]
+    assert abs(z.mean()) < 6 * 0.5 / np.sqrt(z.size)
+    np.testing.assert_allclose(
+      deq.mean(0), y * b / t, rtol=0, atol=float(np.max(tol * b / t))
+    )
+  # The same key gives the same codes; two keys give different ones.
+  again = [np.asarray(o) for o in stochastic_program()(x, jnp.roll(keys, 1))]
+  np.testing.assert_array_equal(
+    again[0][1:].view(np.uint8), out[0][:-1].view(np.uint8)
+  )
+  assert np.any(out[0][0].view(np.uint8) != out[0][1].view(np.uint8))
+  assert np.any(out[2][0].view(np.uint8) != out[2][1].view(np.uint8))
+
+
+def test_non_finite_blocks_and_tensor_amax():
+  """A block with an inf or a NaN dequantizes to NaN; ``amax=`` sets T."""
+  x = scenario_rows(64)[[7, 14]]  # (2, 64): two blocks of 32 a row
+  x[0, 3], x[1, 40] = np.inf, np.nan
+  amax = np.float32(5000.0)
+
+  @jax.jit
+  def run(x):
+    out = [jaxmp.quantize(x, f).dequantize() for f in block.FORMATS]
+    finite = jnp.nan_to_num(x, posinf=0.0)
+    q = jaxmp.quantize(finite, "nvfp4", amax=amax)
+    low = jaxmp.quantize(finite, "nvfp4_16x16", amax=amax / 16)
+    return out, q, low
+
+  out, q, low = run(x)
+  for fmt, d in zip(block.FORMATS, out):
+    d = np.asarray(d)
+    assert np.isnan(d[0, :16]).any() and np.isnan(d[1, 32:48]).any(), fmt
+    if FMTS[fmt][3] != "nvfp4" and len(FMTS[fmt][0]) == 1:
+      size = FMTS[fmt][0][0]  # the other blocks stay finite
+      assert np.isfinite(d[0, size:]).all() and np.isfinite(d[1, :32]).all()
+  finite = np.nan_to_num(x, posinf=0.0)
+  assert np.abs(finite).max() < amax
+  codes, scales, t, ref_deq, _ = reference(finite, "nvfp4", amax_t=amax)
+  assert float(q.global_scale) == t == f32(2688.0 / 5000.0)
+  np.testing.assert_array_equal(
+    np.asarray(q.data).view(np.uint8), codes.view(np.uint8)
+  )
+  np.testing.assert_array_equal(np.asarray(q.scale).astype(np.float64), scales)
+  np.testing.assert_array_equal(np.asarray(q.dequantize()), ref_deq)
+  # An amax below max |x|: the scales and the codes saturate.
+  codes, scales, t, ref_deq, _ = reference(finite, "nvfp4_16x16", amax / 16)
+  assert scales.max() == 448.0 and np.abs(codes.astype(float)).max() == 6.0
+  np.testing.assert_array_equal(
+    np.asarray(low.data).view(np.uint8), codes.view(np.uint8)
+  )
+  np.testing.assert_array_equal(np.asarray(low.dequantize()), ref_deq)
+
+
+@pytest.mark.parametrize(
+  "args, kwargs, message",
+  [
+    (("mxfp4",), {}, "unknown block format"),
+    (("fp8_128x128",), {"shape": (8,)}, "rank >= 2"),
+    (("mxfp8",), {"axis": 2}, "out of range"),
+    (("fp8_1x128",), {"key": True}, "NVFP4 only"),
+    (("mxfp8",), {"amax": 1.0}, "NVFP4 only"),
+    (("nvfp4",), {"amax": np.ones(2)}, "scalar"),
+  ],
+)
+def test_errors(args, kwargs, message):
+  shape = kwargs.pop("shape", (4, 8))
+  if kwargs.get("key"):
+    kwargs["key"] = jax.random.key(0)
+  with pytest.raises(ValueError, match=message):
+    jaxmp.quantize(np.ones(shape, np.float32), *args, **kwargs)

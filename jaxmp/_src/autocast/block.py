@@ -1,39 +1,18 @@
 """Block-scaled fp8 and fp4: MXFP8, DeepSeek's fp8 blocks and NVFP4.
 
-:func:`quantize` cuts a tensor into blocks, gives each block a scale and
-rounds its elements to a narrow float format; :class:`Quantized` holds the
-codes and the scales, and :meth:`Quantized.dequantize` reads them back.
+:func:`quantize` cuts a tensor into blocks (1D along an axis, or 2D over
+the last two axes), gives each block a scale and rounds its elements to a
+narrow float format; its docstring gives each format's rule.
+:class:`Quantized` holds the codes and the scales, and
+:meth:`Quantized.dequantize` reads them back. :func:`fake_quantize` is the
+round trip, as an emulated block-scaled product uses it.
 
-The formats (``FORMATS``):
-
-* ``"mxfp8"`` / ``"mxfp8_e5m2"`` (OCP Microscaling): 1x32 blocks along
-  ``axis``, ``float8_e4m3fn`` / ``float8_e5m2`` elements and a power-of-two
-  ``float8_e8m0fnu`` scale by the round-up rule of cuBLAS, TransformerEngine
-  and ``jax.nn``: ``X = 2**ceil(log2(amax / fmax))`` (``fmax`` 448 / 57344;
-  at least ``2**-127``), elements ``saturate(RNE(x / X))``. The exponent is
-  derived from ``amax``'s bits with integer math, and the scaling by ``X``
-  is done on the exponent too, so the codes are exact for every finite
-  input, float32 subnormals included (XLA flushes those in arithmetic).
-* ``"fp8_1x128"`` / ``"fp8_128x128"`` (DeepSeek-V3, TransformerEngine's
-  ``Float8BlockScaling``): 1x128 tiles along ``axis`` / 128x128 blocks over
-  the last two axes, a float32 scale ``amax / 448`` (1 where ``amax`` is 0,
-  at least ``2**-126``, the smallest normal float32), elements
-  ``saturate(RNE(x / scale))`` in ``float8_e4m3fn``.
-* ``"nvfp4"`` / ``"nvfp4_16x16"`` (NVIDIA's NVFP4, TransformerEngine's
-  two-level rule): 1x16 blocks along ``axis`` / 16x16 blocks over the last
-  two axes; a per-tensor ``T = 6 * 448 / amax(x)`` (1 where ``amax`` is 0, at
-  most float32's largest value), a ``float8_e4m3fn`` block scale ``b =
-  e4m3(min(amax_block / 6 * T, 448))`` and ``float4_e2m1fn`` elements
-  ``e2m1(clip(x * T / b, -6, 6))``, rounded to nearest even or, with a
-  ``key``, stochastically; dequantized ``q * b / T``. A block whose scale
-  rounds to zero has zero codes and dequantizes to zero.
-
-Every division is a true IEEE division (XLA would otherwise rewrite a
-division by a broadcast or a constant into a product by the reciprocal,
-which rounds differently), so the codes equal a float32 numpy evaluation of
-these formulas. In the float32-scale formats, float32 subnormal inputs
-(below ``2**-126`` in magnitude) count as zeros, as XLA's arithmetic reads
-them on CPU and GPU.
+Exactness on XLA: MXFP8's exponent comes from ``amax``'s bits by integer
+math (ml_dtypes' and XLA's e8m0 casts round to nearest), and its scaling by
+a power of two is done on exponents, since XLA flushes float32 subnormals
+(``2**-127`` included) to zero in arithmetic. Every division is one IEEE
+division (``_div``), and e2m1's rounding is done in float32 before an exact
+cast, since XLA:CPU's older emitters round that cast through float16.
 """
 
 import dataclasses
@@ -134,18 +113,42 @@ def quantize(
   fmt: str,
   axis: int = -1,
   key: Optional[jax.Array] = None,
+  *,
+  amax: Optional[jax.typing.ArrayLike] = None,
 ) -> Quantized:
-  """``x`` in a block-scaled low-precision format.
+  """``x`` in a block-scaled fp8 or fp4 format: codes and block scales.
 
-  The formats are MXFP8 (``"mxfp8"``, ``"mxfp8_e5m2"``: 1x32 blocks,
-  power-of-two scales), DeepSeek-V3's fp8 (``"fp8_1x128"`` tiles,
-  ``"fp8_128x128"`` blocks, float32 scales) and NVFP4 (``"nvfp4"`` 1x16,
-  ``"nvfp4_16x16"``: e4m3 block scales under a float32 per-tensor scale);
-  the module's docstring gives each rule. ``x`` is read in float32. A shape
-  the block does not divide is padded with zeros for the scales (and the
-  padding dropped from ``data``). Finite inputs give finite codes and
-  scales; a block holding an inf or a NaN dequantizes to NaN (mxfp8) or to
-  non-finite values. Works under ``jax.jit``, with a traced ``key`` too.
+  The formats (``amax``: the largest magnitude in a block):
+
+  * ``"mxfp8"`` / ``"mxfp8_e5m2"`` (OCP Microscaling, TransformerEngine's
+    ``MXFP8BlockScaling``): 1x32 blocks along ``axis``, ``float8_e4m3fn``
+    / ``float8_e5m2`` elements, a ``float8_e8m0fnu`` scale by the round-up
+    rule of cuBLAS, TransformerEngine and ``jax.nn``: ``X =
+    2**ceil(log2(amax / fmax))`` (``fmax`` 448 / 57344; ``2**-127`` at
+    least, and for an all-zero block), elements ``saturate(RNE(x / X))``.
+    Exact for every finite input, float32 subnormals included.
+  * ``"fp8_1x128"`` / ``"fp8_128x128"`` (DeepSeek-V3's recipe,
+    TransformerEngine's ``Float8BlockScaling``): 1x128 tiles along
+    ``axis`` / 128x128 blocks over the last two axes, a float32 scale
+    ``amax / 448`` (1 where ``amax`` is 0; at least ``2**-126``), elements
+    ``saturate(RNE(x / scale))`` in ``float8_e4m3fn``.
+  * ``"nvfp4"`` / ``"nvfp4_16x16"`` (NVIDIA's NVFP4, TransformerEngine's
+    ``NVFP4BlockScaling``): 1x16 blocks along ``axis`` / 16x16 blocks over
+    the last two axes, a per-tensor float32 ``T = 6 * 448 / amax(x)`` (1
+    where it is 0; float32's largest at most), a ``float8_e4m3fn`` block
+    scale ``b = e4m3(min(amax / 6 * T, 448))`` and ``float4_e2m1fn``
+    elements ``e2m1(clip(x * T / b, -6, 6))``; the value is ``q * b / T``,
+    and a block whose ``b`` rounds to zero is zero.
+
+  ``x`` is read in float32; each division is one IEEE division (XLA would
+  otherwise multiply by a rounded reciprocal), so the codes are those of a
+  float32 numpy evaluation of these rules, on any CPU. In the float32-scale
+  formats, float32 subnormals (below ``2**-126``) count as zeros, as XLA's
+  arithmetic reads them. A shape the block does not divide is padded with
+  zeros for the scales. Finite inputs give finite codes and scales (and
+  values, unless one rounds up past float32's largest); a block holding an
+  inf or a NaN dequantizes to NaN (under NVFP4, the whole tensor does).
+  Works under ``jax.jit``, with a traced ``key``.
 
   >>> import jax.numpy as jnp
   >>> q = quantize(jnp.array([[1.0, -3.0, 500.0, 0.0]]), "mxfp8")
@@ -158,22 +161,39 @@ def quantize(
 
   Args:
     x: the array (any float dtype, at least 1D; 2D for the 2D formats).
-    fmt: one of ``FORMATS``.
+    fmt: the format: ``"mxfp8"``, ``"mxfp8_e5m2"``, ``"fp8_1x128"``,
+      ``"fp8_128x128"``, ``"nvfp4"`` or ``"nvfp4_16x16"``.
     axis: the axis the 1D formats' blocks run along (the contraction axis
       of a product); the 2D formats block the last two axes and ignore it.
     key: a ``jax.random`` key: NVFP4's elements are rounded stochastically,
-      up with probability equal to the distance from the lower neighbour
-      in units of the step between the two (unbiased; the same codes for
-      the same key). ``None``: round to nearest even. The other formats
-      take no key.
+      up to the next grid value with probability equal to the distance
+      from the lower one in units of the step between the two (unbiased;
+      the same codes for the same key). ``None``: round to nearest even.
+      The other formats take no key.
+    amax: NVFP4 only: the ``amax(x)`` that ``T`` is computed from, instead
+      of ``max |x|`` (a float32 scalar, such as the maximum over the shards
+      of a tensor inside ``shard_map``, by ``lax.pmax``). Below ``max
+      |x|``, the block scales saturate at 448 and the codes at 6.
 
   Returns:
-    A :class:`Quantized` with ``data``, ``scale``, ``global_scale`` and
-    ``dequantize()``.
+    A pytree with the static fields ``fmt`` and ``axis`` (the blocked axis,
+    non-negative; ``None`` for the 2D formats), the arrays
+
+    * ``data``: the codes, in the element dtype and in ``x``'s shape;
+    * ``scale``: the block scales (``float8_e8m0fnu``, ``float32`` or
+      ``float8_e4m3fn``), in ``x``'s shape with the blocked axes divided by
+      the block, rounded up: ``(4, 100)`` along the last axis in 1x32
+      blocks gives ``(4, 4)``, ``(300, 200)`` in 128x128 blocks ``(3, 2)``;
+    * ``global_scale``: NVFP4's ``T`` (the factor ``x`` is multiplied by,
+      so values are ``data * scale / T``), float32 of shape ``()``;
+      ``None`` for the other formats;
+
+    and ``dequantize()``: the values, float32 in ``x``'s shape (mxfp8's
+    exactly, subnormal results included).
 
   Raises:
     ValueError: an unknown format, an axis out of range, a rank too low
-      for the format, or a key with a format other than NVFP4.
+      for the format, or ``key`` or ``amax`` with a format other than NVFP4.
   """
   if fmt not in _SPECS:
     raise ValueError(f"unknown block format {fmt!r}; one of {FORMATS}")
@@ -190,10 +210,15 @@ def quantize(
     axis = axis % x.ndim
   else:
     axis = None
-  if key is not None and spec.rule != "nvfp4":
-    raise ValueError(
-      f"stochastic rounding (key=) is for NVFP4 only, not {fmt!r}"
-    )
+  if spec.rule != "nvfp4":
+    if key is not None:
+      raise ValueError(
+        f"stochastic rounding (key=) is for NVFP4 only, not {fmt!r}"
+      )
+    if amax is not None:
+      raise ValueError(f"amax= is for NVFP4 only, not {fmt!r}")
+  elif amax is not None and jnp.ndim(amax) != 0:
+    raise ValueError(f"amax must be a scalar, got shape {jnp.shape(amax)}")
   x = x.astype(_F32)
   block_axis = axis if axis is not None else -1
   xb = _to_blocks(x, spec, block_axis)
@@ -203,7 +228,7 @@ def quantize(
   elif spec.rule == "fp32":
     codes, scale = _fp32(xb)
   else:
-    codes, scale, global_scale = _nvfp4(xb, key)
+    codes, scale, global_scale = _nvfp4(xb, key, amax)
   data = _from_blocks(codes, spec, block_axis, x.shape).astype(spec.elem)
   scale = _scale_layout(scale[..., 0], spec, block_axis)
   return Quantized(data, scale, global_scale, fmt, axis)
@@ -214,9 +239,11 @@ def fake_quantize(
   fmt: str,
   axis: int = -1,
   key: Optional[jax.Array] = None,
+  *,
+  amax: Optional[jax.typing.ArrayLike] = None,
 ) -> jax.Array:
   """``quantize(x, fmt, axis, key).dequantize()``: float32, ``x``'s shape."""
-  return quantize(x, fmt, axis=axis, key=key).dequantize()
+  return quantize(x, fmt, axis=axis, key=key, amax=amax).dequantize()
 
 
 # The three scale rules, on blocks: xb is float32 (..., n_elements_a_block).
@@ -245,9 +272,10 @@ def _mx(xb, elem):
   mant = (mag & np.uint32(0x7FFFFF)).astype(_F32)
   negative = (bits >> 31) == 1
   f_sub = jnp.where(negative, -mant, mant)
-  frac = jnp.where(subnormal, f_sub, xb)
+  v = jnp.where(subnormal, f_sub, xb)
   shift = jnp.where(subnormal, -149, 0) - k
-  y = frac * _pow2(jnp.clip(shift, -126, 127))
+  y = v * _pow2(jnp.clip(shift, -126, 127))
+  # |y| <= fmax by the round-up rule: the clip only saturates an inf.
   codes = jnp.clip(y, -fmax, fmax).astype(elem)
   return codes, scale
 
@@ -261,13 +289,17 @@ def _fp32(xb):
   return codes.astype(jnp.float8_e4m3fn), scale
 
 
-def _nvfp4(xb, key):
+def _nvfp4(xb, key, amax_t):
   """NVFP4: per-tensor T, e4m3 block scales, e2m1 codes."""
   xb = _flush_subnormals(xb)
   ab = jnp.abs(xb)
-  amax_t = jnp.max(ab)
-  t = jnp.where(amax_t > 0, jnp.minimum(6.0 * 448.0 / amax_t, _F32_MAX), 1.0)
-  t = t.astype(_F32)
+  if amax_t is None:
+    amax_t = jnp.max(ab)
+  else:
+    amax_t = _flush_subnormals(jnp.asarray(amax_t, _F32))
+  # A NaN amax gives a NaN T (so every value is NaN), an inf one T = 0.
+  t = jnp.minimum(6.0 * 448.0 / amax_t, _F32_MAX)
+  t = jnp.where(amax_t == 0, 1.0, t).astype(_F32)
   amax = jnp.max(ab, axis=-1, keepdims=True)
   b = jnp.minimum(_div(amax, 6.0) * t, 448.0).astype(jnp.float8_e4m3fn)
   bf = b.astype(_F32)
@@ -315,7 +347,11 @@ def _div(a, b):
 
 
 def _flush_subnormals(x):
-  """``x`` with float32 subnormals as signed zeros, as XLA computes."""
+  """``x`` with float32 subnormals as signed zeros.
+
+  XLA's arithmetic reads them so on CPU and GPU; flushing them first makes
+  the rule the formats state, whatever the backend's denormal mode.
+  """
   bits = lax.bitcast_convert_type(x, jnp.uint32)
   sub = (bits & np.uint32(0x7F800000)) == 0
   return jnp.where(
