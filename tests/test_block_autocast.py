@@ -135,6 +135,12 @@ def test_forward_and_backward_are_the_recipes_emulation(name):
   assert _far(dw, tw, terms=M + 64 if recipe.hadamard else None)
   if block_recipe.FORMATS[recipe.weight][0] == 1:  # 2D: the same either way.
     assert _far(dx, tx)
+  # The element formats in the program: e5m2 only for an e5m2 gradient
+  # (used by the backward products alone), e2m1 only for NVFP4.
+  jaxpr = str(jax.make_jaxpr(_grad(recipe))(x, w, c))
+  assert ("f8_e5m2" in jaxpr) == (recipe.gradient == "mxfp8_e5m2")
+  assert ("f4_e2m1fn" in jaxpr) == (recipe.gradient == "nvfp4")
+  assert ("f8_e4m3fn" in jaxpr) is True  # also NVFP4's block scales
   # A power-of-two loss scale scales the gradient codes exactly (mxfp8's
   # power-of-two scales, deepseek's amax / 448).
   if recipe.weight != "nvfp4_16x16":
