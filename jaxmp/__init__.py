@@ -30,6 +30,7 @@ from jaxmp._src.autocast.report import AutocastReport
 from jaxmp._src.transform.calibrate import calibrate_loss_scale
 from jaxmp._src.nn.compiler import cpu_compiler_options
 from jaxmp._src.autocast.fp8 import Fp8Recipe
+from jaxmp._src.autocast.block_recipe import BlockRecipe
 from jaxmp._src.autocast.block import quantize
 from jaxmp._src.presets.initialize import initialize
 from jaxmp._src.reduction.report import Reduction
@@ -61,6 +62,7 @@ __all__ = (
   "all_finite",
   "autocast",
   "AutocastReport",
+  "BlockRecipe",
   "calibrate_loss_scale",
   "check_health",
   "cpu_compiler_options",

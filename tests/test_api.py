@@ -32,6 +32,7 @@ PUBLIC = {
     "check_health",
     "cpu_compiler_options",
     "find_state",
+    "BlockRecipe",
     "Fp8Recipe",
     "get_policy",
     "get_preset",

@@ -666,11 +666,28 @@ _EIGHT = textwrap.dedent(
   on0 = sum(s.data.nbytes for x in leaves for s in x.addressable_shards
             if s.device == d0 and x.ndim)
   print(on0, sum(x.nbytes for x in leaves if x.ndim))
+  # Block-scaled autocast (NVFP4: global amax, data-seeded stochastic
+  # rounding, Hadamard rotations) on the (2, 4) mesh: one device's gradients.
+  import numpy as np
+  rng = np.random.default_rng(0)
+  x, w, c = (rng.normal(size=s).astype("float32")
+             for s in ((64, 32), (32, 48), (64, 48)))
+  g = jax.jit(jax.grad(jaxmp.autocast(
+      lambda x, w, c: jnp.sum((x @ w) * c), fp8="nvfp4"), (0, 1)))
+  one = g(x, w, c)
+  put = lambda a, *s: jax.device_put(a, NamedSharding(mesh, P(*s)))
+  two = g(put(x, "data"), put(w, None, "fsdp"), put(c, "data", "fsdp"))
+  # Only the sum orders differ: 2 * terms * eps of |a| |b|, twice that for
+  # the quantized operands, 64 more terms for the rotations.
+  bx = np.abs(c) @ np.abs(w).T * (48 + 64) * 4 * 2.0**-24
+  bw = np.abs(x).T @ np.abs(c) * (64 + 64) * 4 * 2.0**-24
+  print(int(np.all(np.abs(one[0] - two[0]) <= bx)
+            and np.all(np.abs(one[1] - two[1]) <= bw)))
   """
 )
 
 
-def test_eight_devices_quarter_per_device():
+def test_eight_devices_quarter_per_device_and_block_autocast_as_one():
   out = subprocess.run(
     [sys.executable, "-c", _EIGHT],
     capture_output=True,
@@ -679,6 +696,8 @@ def test_eight_devices_quarter_per_device():
     timeout=120,
     env={k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"},
   )
-  on0, whole = map(int, out.stdout.split())
+  lines = out.stdout.split("\n")
+  on0, whole = map(int, lines[0].split())
   assert whole == 3 * 4 * 64 * 32
   assert on0 * 4 == whole
+  assert lines[1] == "1"  # the (2, 4) mesh's gradients are one device's

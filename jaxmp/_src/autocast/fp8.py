@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import vma as vma_lib
+from jaxmp._src.autocast import block_recipe as _block
 
 _F32 = jnp.dtype(jnp.float32)
 _FORMATS = frozenset(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2))
@@ -91,15 +92,25 @@ class Fp8Recipe:
     object.__setattr__(self, "margin", int(self.margin))
 
 
-def recipe_of(fp8: Union[bool, Fp8Recipe, None]) -> Optional[Fp8Recipe]:
-  """``fp8=`` of :func:`jaxmp.autocast` as a recipe (None when off)."""
+def recipe_of(fp8: Union[bool, str, Fp8Recipe, "_block.BlockRecipe", None]):
+  """``fp8=`` of :func:`jaxmp.autocast` as a recipe (None when off).
+
+  ``True`` or an :class:`Fp8Recipe`: per-tensor current scaling; a preset's
+  name (``"mxfp8"``, ``"deepseek"``, ``"nvfp4"``) or a
+  :class:`jaxmp.BlockRecipe`: block scaling (``block_recipe.py``).
+  """
   if fp8 is None or fp8 is False:
     return None
   if fp8 is True:
     return Fp8Recipe()
-  if isinstance(fp8, Fp8Recipe):
+  if isinstance(fp8, (Fp8Recipe, _block.BlockRecipe)):
     return fp8
-  raise TypeError(f"fp8 must be a bool or a jaxmp.Fp8Recipe, got {fp8!r}")
+  if isinstance(fp8, str) and fp8 in _block.PRESETS:
+    return _block.preset(fp8)
+  raise TypeError(
+    "fp8 must be a bool, a jaxmp.Fp8Recipe, a jaxmp.BlockRecipe or one of "
+    f"{', '.join(map(repr, _block.PRESETS))}, got {fp8!r}"
+  )
 
 
 def fp8_convolutions(recipe: Fp8Recipe) -> bool:

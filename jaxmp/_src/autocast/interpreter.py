@@ -24,10 +24,14 @@ primitives with bodies (``reduce`` with a custom computation, ``scatter-add``
 and its kin), bitcasts and callbacks run at their traced dtypes.
 """
 
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jax._src import source_info_util as _si
+
 from jaxmp._src.autocast import _jaxpr_interp as ji
+from jaxmp._src.autocast import block_recipe as _block
 from jaxmp._src.autocast import fp8 as _fp8
 from jaxmp._src.autocast import report
 from jaxmp._src.autocast import rules
@@ -80,6 +84,8 @@ class Interpreter:
     # are held, so no other value takes their id, until the outermost `run`
     # returns.
     self._from_inputs: dict = {}
+    # Block-scaled products need the weights too (block_recipe.py).
+    self._track = grad_reduce != "native" or isinstance(fp8, _block.BlockRecipe)
     self._depth = 0
     # In the bwd rule of a custom_vjp whose fp32 inputs were cast to half at
     # its boundary (jaxmp.nn's convolution): products give fp32, rounded to
@@ -103,7 +109,7 @@ class Interpreter:
     ``from_inputs``: per argument, whether it counts as a function input
     for ``grad_reduce`` (all of them by default).
     """
-    if self.grad_reduce != "native":
+    if self._track:
       if from_inputs is None or len(from_inputs) != len(args):
         from_inputs = [True] * len(args)
       self._mark(x for x, f in zip(args, from_inputs) if f)
@@ -131,7 +137,7 @@ class Interpreter:
     if k is None:
       outs, inlined = self._first_order(eqn, invals, inweak), False
       if (
-        self.grad_reduce != "native"
+        self._track
         and ji.primitive_name(eqn) in _STRUCTURAL
         and invals
         and id(invals[0]) in self._from_inputs
@@ -180,7 +186,11 @@ class Interpreter:
         if all(jnp.dtype(avals[i].dtype) == jnp.dtype(pet) for i in idx):
           updates["preferred_element_type"] = target
     two = name in rules.LOWER_PRECISION and len(idx) == 2 and not self.natural
-    if two and self.fp8 is not None:
+    if two and isinstance(self.fp8, _block.BlockRecipe):
+      out = self._block_product(eqn, invals, pet, updates, target)
+      if out is not None:
+        return out
+    elif two and self.fp8 is not None:
       out = _fp8_product(
         self.fp8,
         eqn,
@@ -227,6 +237,38 @@ class Interpreter:
         return [out]
       return [rules.cast(out, target)]
     return ji.bind(eqn, args, **updates)
+
+  def _block_product(self, eqn, invals, pet, updates, target):
+    """``eqn`` block-scaled (block_recipe.py), or None where it is not."""
+    recipe = self.fp8
+    out_dtype = updates.get(
+      "preferred_element_type", pet if pet is not None else target
+    )
+    if ji.primitive_name(eqn) != "dot_general" or not rules.castable(out_dtype):
+      return None  # Convolutions and ragged_dot run in dtype.
+    if recipe.keep and recipe.keeps(str(_si.current_name_stack())):
+      return None
+    wide = [
+      jnp.dtype(x.dtype) == rules.F32 or id(x) in self._from_inputs
+      for x in invals[:2]
+    ]
+    weight = 1 if wide[1] else (0 if wide[0] else None)
+
+    # The dequantized operands multiplied exactly in float32 (not TF32, a
+    # GPU's default), as a block-scaled GEMM multiplies codes and scales.
+    highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+
+    def prim(a, b):
+      return ji.bind(
+        eqn, [a, b], preferred_element_type=rules.F32, precision=highest
+      )[0]
+
+    dims = ji.params(eqn)["dimension_numbers"]
+    return [
+      _block.product(
+        prim, dims, invals[0], invals[1], recipe, out_dtype, weight
+      )
+    ]
 
   def _broadcast_weights(self, eqn, invals):
     """Half weights an elementwise op broadcasts, broadcast beforehand."""

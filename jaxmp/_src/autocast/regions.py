@@ -231,7 +231,7 @@ def autocast(
   *,
   debug: Union[bool, Callable[[AutocastReport], Any]] = False,
   keep_output_dtypes: Any = False,
-  fp8: Union[bool, "_fp8.Fp8Recipe"] = False,
+  fp8: Union[bool, str, "_fp8.Fp8Recipe", "_fp8._block.BlockRecipe"] = False,
   grad_reduce: str = "fp32",
 ) -> Callable:
   """Runs ``fun`` with Apex O1 / ``torch.autocast`` rules, the model unchanged.
@@ -281,6 +281,10 @@ def autocast(
       ``float8_e4m3fn`` operands with per-tensor current scaling, its
       output cotangent in ``float8_e5m2``, its result in ``dtype``; the
       other operations follow ``dtype``'s rules (see the fp8 guide).
+      ``"mxfp8"``, ``"deepseek"``, ``"nvfp4"`` or a :class:`BlockRecipe`:
+      block scaling instead, each operand quantized in blocks along each
+      product's contraction axis, forward and backward (see the guide
+      "Block-scaled fp8 and fp4").
     grad_reduce: the dtype of the weight gradients' cross-device sums.
       ``"fp32"`` (default): the backward product that gives a weight's
       gradient (an fp32 param's, or any input's) outputs fp32, so the sum
@@ -328,7 +332,10 @@ def autocast(
       )
     return outs
 
-  name = f"{rules.AUTOCAST_MARK}_{dtype.name}" + ("_fp8" if recipe else "")
+  suffix = getattr(recipe, "name", "fp8") if recipe else ""
+  name = f"{rules.AUTOCAST_MARK}_{dtype.name}" + (
+    f"_{suffix}" if suffix else ""
+  )
   return _wrap(fun, _Region(fun, name, impl, keep_output_dtypes, loops=True))
 
 
