@@ -88,7 +88,7 @@ def product(eqn, operands: Sequence, dtypes: Sequence, wide, mode, updates):
         cts.append(None)
         continue
       if wide[j]:
-        ct = _wide_cotangent(eqn, updates, saved, g, j, mode)
+        ct = _wide_cotangent(eqn, updates, saved, g, j, mode, shardings[j])
       else:
         ct = _cotangent(eqn, updates, saved, g, j, wide_out=False)
       cts.append(_resharded(ct.astype(dtype), shardings[j]))
@@ -172,12 +172,12 @@ def _widen(eqn, invals, inweak):
   return outs, [False] * len(outs)
 
 
-def _wide_cotangent(eqn, updates, cast, g, j, mode):
+def _wide_cotangent(eqn, updates, cast, g, j, mode, target=None):
   """The fp32 cotangent of operand ``j``; on a half wire where asked."""
   if mode == "half_wire":
     plan = _half_wire_plan(eqn, cast, g, j)
     if plan is not None:
-      return _half_wire_cotangent(eqn, updates, cast, g, j, *plan)
+      return _half_wire_cotangent(eqn, updates, cast, g, j, *plan, target)
   return _cotangent(eqn, updates, cast, g, j, wide_out=True)
 
 
@@ -206,50 +206,28 @@ def _batch_dims(eqn, j):
   return dn.lhs_spec[0], dn.out_spec[0]
 
 
-def _mesh_axes():
-  """The mesh in context and its non-manual axes, or None."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
-    return None
-  manual = getattr(jax.sharding.AxisType, "Manual", None)
-  types = getattr(mesh, "axis_types", (None,) * len(mesh.axis_names))
-  axes = tuple(
-    a
-    for a, t in zip(mesh.axis_names, types)
-    if t != manual and mesh.shape[a] > 1
-  )
-  return (mesh, axes) if axes else None
-
-
 def _half_wire_plan(eqn, cast, g, j):
-  found = _mesh_axes()
+  """``(mesh, axes, dims)`` for operand ``j``'s half-wire cotangent, or None.
+
+  The mesh is `jax.set_mesh`'s or the one the operands' types carry; None
+  (the fp32 sum) where there is none (nothing crosses devices) or the batch
+  does not split evenly over its devices.
+  """
   dims = _batch_dims(eqn, j)
-  if found is None or dims is None:
+  if dims is None:
     return None
-  mesh, axes = found
-  n = 1
-  for a in axes:
-    n *= mesh.shape[a]
-  k = 1 - j
-  if cast[k].shape[dims[0]] % n or g.shape[dims[1]] % n:
-    return None
-  return mesh, axes, dims
+  plan = wire.batch_plan([cast[1 - j], g], dims)
+  return None if plan is None else (*plan, dims)
 
 
-def _spec(ndim, dim, axes):
-  spec = [None] * ndim
-  spec[dim] = axes
-  return jax.sharding.PartitionSpec(*spec)
-
-
-def _half_wire_cotangent(eqn, updates, cast, g, j, mesh, axes, dims):
+def _half_wire_cotangent(eqn, updates, cast, g, j, mesh, axes, dims, target):
   """Operand ``j``'s cotangent: per-device partials sent in half.
 
-  A ``shard_map`` over ``axes`` (the batch split over every device): each
-  device computes its partial cotangent from its slice of the batch in
-  fp32, sends it in the product's half dtype by one all-to-all, adds the
-  chunks it receives in fp32, and returns its chunk; GSPMD lays the chunks
-  out as the gradient's sharding asks (an all-gather in half, or none).
+  Each device computes its partial cotangent from its slice of the batch in
+  fp32; `wire.batch_summed` sends the partials in the product's half dtype
+  by one all-to-all and adds them in fp32, laid out as the gradient's
+  sharding asks (a parameter's shards: no gather; replicated: a gather in
+  half).
   """
   k = 1 - j
   wire_dtype = jnp.dtype(cast[j].dtype)
@@ -259,38 +237,28 @@ def _half_wire_cotangent(eqn, updates, cast, g, j, mesh, axes, dims):
   if "out_sharding" in ji.params(eqn):
     local_updates["out_sharding"] = None
   shape = cast[j].shape
-  P = jax.sharding.PartitionSpec
 
-  def body(other, gl):
+  def partial(other, gl):
     ops = [None, None]
     ops[k] = other
     ops[j] = vma_lib.mark_varying(jnp.zeros(shape, cast[j].dtype), axes)
-    partial = _cotangent(eqn, local_updates, ops, gl, j, wide_out=True)
-    return wire.half_wire_chunks(partial, axes, wire_dtype).astype(wire_dtype)
+    return _cotangent(eqn, local_updates, ops, gl, j, wide_out=True)
 
-  in_specs = (_spec(cast[k].ndim, dims[0], axes), _spec(g.ndim, dims[1], axes))
-  other, gg = cast[k], g
-  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-  if any(t == explicit for t in getattr(mesh, "axis_types", ())):
-    other = jax.sharding.reshard(other, in_specs[0])
-    gg = jax.sharding.reshard(gg, in_specs[1])
-  chunks = jax.shard_map(
-    body, mesh=mesh, in_specs=in_specs, out_specs=P(axes), axis_names=set(axes)
-  )(other, gg)
-  size = 1
-  for s in shape:
-    size *= s
-  # Laid out (and resharded, where the gradient's sharding asks) in half.
-  return chunks[:size].reshape(shape)
+  plan = (mesh, axes)
+  return wire.batch_summed(
+    partial, [cast[k], g], dims, wire_dtype, plan, target, shape
+  )
 
 
-def summed_in_fp32(eqn, invals):
+def summed_in_fp32(eqn, invals, mode="fp32"):
   """``eqn`` (a broadcast or a gather of a half weight), summed back in fp32.
 
   The transpose of a broadcast sums over what it broadcast (a bias's or a
   norm scale's gradient, over the batch); a gather's scatter-adds (an
   embedding's). Both run on the fp32 cotangent, so a cross-device sum at
   their output runs in fp32; the result is rounded to the weight's dtype.
+  With ``mode="half_wire"``, a gather's (batch-leading indices) is summed
+  on a half wire with fp32 adds (`wire.batch_summed`).
   """
   x, rest = invals[0], list(invals[1:])
   dtype = x.dtype
@@ -304,6 +272,10 @@ def summed_in_fp32(eqn, invals):
     return op(x), None
 
   def op_bwd(_, g):
+    if mode == "half_wire":
+      ct = _half_wire_gather(eqn, x, rest, g)
+      if ct is not None:
+        return (_resharded(ct.astype(dtype), sharding),)
     wide = x.astype(wire.F32)
     linear = lambda t: ji.bind(eqn, [t, *rest])[0]
     (ct,) = jax.vjp(linear, wide)[1](g.astype(wire.F32))
@@ -311,6 +283,37 @@ def summed_in_fp32(eqn, invals):
 
   op.defvjp(op_fwd, op_bwd)
   return op(x)
+
+
+def _half_wire_gather(eqn, x, rest, g):
+  """A gather's (an embedding's) scatter-add on a half wire, or None.
+
+  None (the fp32 sum) unless the gather's output leads with its indices'
+  leading (batch) dimension and a mesh splits it evenly.
+  """
+  if ji.primitive_name(eqn) != "gather" or len(rest) != 1:
+    return None
+  idx, dn = rest[0], ji.params(eqn)["dimension_numbers"]
+  if (
+    idx.ndim < 2
+    or 0 in dn.offset_dims
+    or getattr(dn, "operand_batching_dims", ())
+    or idx.shape[0] != g.shape[0]
+  ):
+    return None
+  plan = wire.batch_plan([idx, g], [0, 0])
+  if plan is None:
+    return None
+  shape = x.shape
+
+  def partial(i, gl):
+    zeros = vma_lib.mark_varying(jnp.zeros(shape, wire.F32), plan[1])
+    linear = lambda t: ji.bind(eqn, [t, i])[0]
+    return jax.vjp(linear, zeros)[1](gl.astype(wire.F32))[0]
+
+  return wire.batch_summed(
+    partial, [idx, g], [0, 0], x.dtype, plan, _explicit_sharding(x), shape
+  )
 
 
 def broadcast_summed_in_fp32(x, shape):
