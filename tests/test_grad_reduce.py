@@ -303,7 +303,7 @@ def test_app_steps_sum_in_fp32_on_4_devices(make_config, data_dir, policy):
   assert s.precision.grad_reduce == "fp32"
   model = steps.create_model(
     s.model, num_classes=10, num_filters=4, precision=s.precision
-  ).clone(stage_sizes=(1,))
+  ).clone(stage_sizes=(1, 1, 1))
   optimizer = steps.create_optimizer(s.precision, 0.05, momentum=0.9)
   state = steps.create_train_state(model, optimizer, (8, 8, 3), seed=0)
   mesh = mesh_lib.create_mesh(4, {"batch_size": 8})
@@ -316,8 +316,8 @@ def test_app_steps_sum_in_fp32_on_4_devices(make_config, data_dir, policy):
   )
   rep, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   step = jax.jit(train_step, in_shardings=(rep, batch, batch, rep))
-  images = jax.ShapeDtypeStruct((8, 8, 8, 3), F32, sharding=batch)
-  labels = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=batch)
+  images = jax.ShapeDtypeStruct((32, 8, 8, 3), F32, sharding=batch)
+  labels = jax.ShapeDtypeStruct((32,), jnp.int32, sharding=batch)
   report = jaxmp.reduction_report(
     step, state, images, labels, steps.zero_metrics()
   )

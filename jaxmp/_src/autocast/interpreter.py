@@ -158,15 +158,17 @@ class Interpreter:
     ):
       return _as_traced(eqn, invals)
     idx = [i for i, a in enumerate(avals) if rules.castable(a.dtype)]
+    if (
+      name in _SUMMED_BY_TRANSPOSE
+      and self.grad_reduce != "native"
+      and idx == [0]
+      and jnp.dtype(invals[0].dtype) in rules.HALF
+      and id(invals[0]) in self._from_inputs
+    ):
+      # A half weight broadcast or gathered as it is (its only float
+      # operand): the transpose's sum over the batch runs in fp32.
+      return [products.summed_in_fp32(eqn, invals, self.grad_reduce)]
     if not idx or name in rules.INDEPENDENT:
-      if (
-        name in _SUMMED_BY_TRANSPOSE
-        and self.grad_reduce != "native"
-        and idx[:1] == [0]
-        and jnp.dtype(invals[0].dtype) in rules.HALF
-        and id(invals[0]) in self._from_inputs
-      ):
-        return [products.summed_in_fp32(eqn, invals, self.grad_reduce)]
       return ji.bind(eqn, invals)
     updates = {}
     target = self._target(
@@ -212,14 +214,26 @@ class Interpreter:
     args = list(invals)
     for i in idx:
       args[i] = rules.cast(args[i], target)
-    if self.widen_products and name in products.PRODUCTS and len(idx) == 2:
-      if target in rules.HALF and "preferred_element_type" not in updates:
-        return [rules.cast(products.bind_f32(eqn, args, updates), target)]
+    if (
+      self.widen_products
+      and name in products.PRODUCTS
+      and len(idx) == 2
+      and target in rules.HALF
+      and "preferred_element_type" not in updates
+    ):
+      out = products.bind_f32(eqn, args, updates)
+      # A product that asks for an fp32 output itself (jaxmp.nn's 1x1 kernel
+      # gradient, summed over its batch groups after) keeps it.
+      asked = ji.params(eqn).get("preferred_element_type")
+      if asked is not None and jnp.dtype(asked) == rules.F32:
+        return [out]
+      return [rules.cast(out, target)]
     return ji.bind(eqn, args, **updates)
 
   def _broadcast_weights(self, eqn, invals):
     """Half weights an elementwise op broadcasts, broadcast beforehand."""
-    shape = tuple(ji.out_avals(eqn)[0].shape)
+    aval = ji.out_avals(eqn)[0]
+    shape = tuple(aval.shape)
     out = list(invals)
     for i, x in enumerate(invals):
       if (
@@ -229,7 +243,7 @@ class Interpreter:
         and jnp.dtype(x.dtype) in rules.HALF
         and id(x) in self._from_inputs
       ):
-        out[i] = products.broadcast_summed_in_fp32(x, shape)
+        out[i] = products.broadcast_summed_in_fp32(x, shape, aval)
     return out
 
   def _target(self, name, floats, weak):

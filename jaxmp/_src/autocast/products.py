@@ -99,8 +99,9 @@ def product(eqn, operands: Sequence, dtypes: Sequence, wide, mode, updates):
 
 
 def _explicit_sharding(x):
-  """``x``'s sharding where its type carries one (explicit axes), or None."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
+  """``x``'s (a value's or a type's) sharding under explicit axes, or None."""
+  aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+  sharding = getattr(aval, "sharding", None)
   mesh = getattr(sharding, "mesh", None)
   explicit = getattr(jax.sharding.AxisType, "Explicit", None)
   types = getattr(mesh, "axis_types", ()) or ()
@@ -113,7 +114,8 @@ def _resharded(x, sharding):
   """``x`` typed with ``sharding`` (explicit axes only)."""
   if sharding is None or getattr(jax.typeof(x), "sharding", None) == sharding:
     return x
-  return jax.sharding.reshard(x, sharding.spec)
+  # The sharding itself (its mesh with it): no mesh need be set.
+  return jax.sharding.reshard(x, sharding)
 
 
 def _zeros_like(shape, dtype, vma):
@@ -257,32 +259,34 @@ def summed_in_fp32(eqn, invals, mode="fp32"):
   norm scale's gradient, over the batch); a gather's scatter-adds (an
   embedding's). Both run on the fp32 cotangent, so a cross-device sum at
   their output runs in fp32; the result is rounded to the weight's dtype.
+  ``invals[0]`` is the op's only float operand (a gather's indices follow).
   With ``mode="half_wire"``, a gather's (batch-leading indices) is summed
   on a half wire with fp32 adds (`wire.batch_summed`).
   """
-  x, rest = invals[0], list(invals[1:])
-  dtype = x.dtype
+  x = invals[0]
+  dtype, shape = x.dtype, x.shape
+  vma = vma_lib.varying(x)
   sharding = _explicit_sharding(x)
 
   @jax.custom_vjp
-  def op(x):
+  def op(x, *rest):
     return ji.bind(eqn, [x, *rest])[0]
 
-  def op_fwd(x):
-    return op(x), None
+  def op_fwd(x, *rest):
+    return op(x, *rest), rest
 
-  def op_bwd(_, g):
+  def op_bwd(rest, g):
     if mode == "half_wire":
       ct = _half_wire_gather(eqn, x, rest, g)
       if ct is not None:
-        return (_resharded(ct.astype(dtype), sharding),)
-    wide = x.astype(wire.F32)
+        return (_resharded(ct.astype(dtype), sharding), *[None] * len(rest))
     linear = lambda t: ji.bind(eqn, [t, *rest])[0]
+    wide = _resharded(_zeros_like(shape, wire.F32, vma), sharding)
     (ct,) = jax.vjp(linear, wide)[1](g.astype(wire.F32))
-    return (_resharded(ct.astype(dtype), sharding),)
+    return (_resharded(ct.astype(dtype), sharding), *[None] * len(rest))
 
   op.defvjp(op_fwd, op_bwd)
-  return op(x)
+  return op(*invals)
 
 
 def _half_wire_gather(eqn, x, rest, g):
@@ -316,20 +320,23 @@ def _half_wire_gather(eqn, x, rest, g):
   )
 
 
-def broadcast_summed_in_fp32(x, shape):
+def broadcast_summed_in_fp32(x, shape, like=None):
   """``x`` broadcast to ``shape`` (its size-1 dims), summed back in fp32.
 
   For an elementwise op that broadcasts a half weight itself (``h + b``
   with ``b`` of shape ``(1, d)``): its transpose would sum the cotangent
-  over the batch in half.
+  over the batch in half. With explicit axes the broadcast takes the
+  sharding of ``like`` (the op's output), so that its cotangent stays
+  sharded until the fp32 sum.
   """
   dtype = x.dtype
   sharding = _explicit_sharding(x)
+  out_sharding = None if like is None else _explicit_sharding(like)
   axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if a != b)
 
   @jax.custom_vjp
   def op(x):
-    return jnp.broadcast_to(x, shape)
+    return _resharded(jnp.broadcast_to(x, shape), out_sharding)
 
   def op_fwd(x):
     return op(x), None
