@@ -131,33 +131,94 @@ def test_native_leaves_the_sums_half():
   assert ("all-reduce", "f16") in _weight_sums(report), str(report)
 
 
-@pytest.mark.parametrize("kind", ["dp", "fsdp"])
-def test_half_wire_sends_half_and_adds_in_fp32(kind):
-  p, x = _data()
-  mesh, p, x = _place(kind, p, x)
-  grads = {}
-  reports = {}
-  for mode in ("half_wire", "native"):
-    step = jax.jit(jax.grad(jaxmp.autocast(_mlp, grad_reduce=mode)))
-    with jax.set_mesh(mesh):
-      reports[mode] = jaxmp.reduction_report(step, p, x)
-      grads[mode] = step(p, x)
-  wire = reports["half_wire"]
-  # The two products' weights: an all-to-all of half partials each, no
-  # all-reduce of their shape (the bias's sum is an fp32 all-reduce).
-  assert _weight_sums(wire) == {("all-to-all", "f16"), ("all-reduce", "f32")}
-  assert [r.shape for r in wire.sums()] == [(16,)], str(wire)
-  half_sums = sum(r.bytes_sent for r in reports["native"].sums("f16"))
-  a2a = sum(r.bytes_sent for r in wire.rows if r.op == "all-to-all")
-  assert 0 < a2a <= 1.1 * half_sums
-  # Same gradient as native's, each within its own rounding to half.
-  for k in ("w1", "w2"):
-    np.testing.assert_allclose(
-      grads["half_wire"][k],
-      grads["native"][k],
-      rtol=0,
-      atol=4 * 2.0**-11 * float(jnp.max(jnp.abs(grads["native"][k]))),
+def _product_loss(w, x, t):
+  return jnp.sum((x @ w).astype(F32) * t)
+
+
+def _integer_data():
+  """(w, x, t): x and t small integers (each product and fp32 sum exact)."""
+  rng = np.random.default_rng(3)
+  x = rng.integers(-60, 61, size=(32, 8)).astype(np.float32)
+  t = rng.integers(-60, 61, size=(32, 4)).astype(np.float32)
+  return jnp.ones((8, 4), F32), x, t
+
+
+@pytest.mark.parametrize(
+  "kind, weight",
+  [("dp", P()), ("fsdp", P("fsdp", None)), ("dp", P("data", None))],
+)
+def test_half_wire_bytes_and_sum(kind, weight):
+  """Half all-to-all, fp32 adds, the sum rounded once; native's bytes.
+
+  Each device's partial ``x_d.T @ t_d`` is an integer (exact in fp32), up
+  to 28,800: fp16 rounds it (to 2 to 16 above 2,048). The half wire sends
+  ``f16(partial_d)`` and adds in fp32 (exact here): each device's sum is
+  its shard of the weight's gradient. Where the weight is replicated over
+  some axes (all of them for DP, ``data`` for FSDP) that shard is rounded
+  once to fp16 and gathered over them; a weight split over every device
+  keeps the fp32 sum.
+  """
+  w, x, t = _integer_data()
+  mesh = _mesh(kind)
+  batch = _specs(kind)[0]
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  w, x, t = put(w, weight), put(x, batch), put(t, batch)
+  steps, reports = {}, {}
+  for mode in ("fp32", "half_wire", "native"):
+    steps[mode] = jax.jit(
+      jax.grad(jaxmp.autocast(_product_loss, grad_reduce=mode)),
+      out_shardings=w.sharding,
     )
+    with jax.set_mesh(mesh):
+      reports[mode] = jaxmp.reduction_report(steps[mode], w, x, t)
+  wire = reports["half_wire"]
+  assert {(r.op, r.dtype) for r in wire.rows} <= {
+    ("all-to-all", "f16"),
+    ("all-gather", "f16"),
+  }, str(wire)
+  assert ("all-to-all", "f16") in {(r.op, r.dtype) for r in wire.rows}
+  native, fp32 = reports["native"].bytes_sent, reports["fp32"].bytes_sent
+  assert 0 < wire.bytes_sent <= 1.1 * native, (str(wire), native)
+  assert wire.bytes_sent < fp32, (str(wire), fp32)
+  # No mesh set: found from the inputs' types, the same program.
+  assert jaxmp.reduction_report(steps["half_wire"], w, x, t).rows == wire.rows
+  with jax.set_mesh(mesh):
+    got = np.asarray(steps["half_wire"](w, x, t), np.float64)
+  xs = np.asarray(x, np.float64).reshape(4, 8, 8)
+  ts = np.asarray(t, np.float64).reshape(4, 8, 4)
+  partials = np.einsum("dbi,dbo->dio", xs, ts)
+  truth = partials.sum(0)
+  sent = partials.astype(np.float16).astype(np.float64)
+  rounded = weight != P("data", None)
+  want = sent.sum(0).astype(np.float16 if rounded else np.float64)
+  np.testing.assert_array_equal(got, want)
+  # Against the fp64 sum: each partial's rounding to fp16 plus the sum's.
+  bound = 2.0**-11 * (np.abs(partials).sum(0) + rounded * np.abs(truth))
+  assert np.all(np.abs(got - truth) <= bound)
+  assert np.any(got != truth)  # fp16 rounded something: the test can fail.
+
+
+def test_half_wire_without_a_mesh_to_split_over():
+  """One device, a batch that does not split, manual axes: the fp32 sum."""
+  w, x, t = _integer_data()
+  one = jax.grad(jaxmp.autocast(_product_loss, grad_reduce="half_wire"))
+  exact = np.asarray(x, np.float64).T @ np.asarray(t, np.float64)
+  np.testing.assert_array_equal(jax.jit(one)(w, x, t), exact)
+  mesh = _mesh("dp")
+  with jax.set_mesh(mesh):  # Batch 6 on 4 devices: no all-to-all.
+    report = jaxmp.reduction_report(jax.jit(one), w, x[:6], t[:6])
+  assert not [r for r in report.rows if r.op == "all-to-all"], str(report)
+
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P(), P("data"), P("data")),
+    out_specs=P(),
+  )
+  def manual(w, x, t):
+    return one(w, x, t)
+
+  jax.jit(manual).lower(w, x, t)  # Lowers: every axis is manual.
 
 
 def test_gradient_matches_one_device_within_fp32_rounding():

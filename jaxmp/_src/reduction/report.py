@@ -124,7 +124,11 @@ def _group_size(line: str, n_devices: int) -> int:
   m = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
   if m:
     return int(m.group(1).split(",")[-1])
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:\s*\{([^}]*)\})?", line)
+  m = re.search(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=\S+)?(?:\s*\{([^}]*)\})?",
+    line,
+  )
   if m:
     sizes = dict(
       (k.strip("' "), int(v))
