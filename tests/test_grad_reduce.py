@@ -7,6 +7,7 @@ data parallel ``(4,)`` and FSDP ``(2, 2)``, params ``P("fsdp", None)``.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmp
+from jaxmp import nn as jaxmp_nn
 
 pytestmark = pytest.mark.devices(4)
 
@@ -407,3 +409,59 @@ def test_app_config_names_its_mode(make_config, data_dir, tmp_path, capsys):
     "Gradients summed across 4 device(s) in half precision on the wire, "
     "added in fp32 (grad_reduce=half_wire)\n"
   )
+
+
+def _conv_embed_loss(p, x, ids):
+  conv = functools.partial(
+    jaxmp_nn.conv_general_dilated, dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
+  h = jax.nn.relu(conv(x, p["k3"], (1, 1), ((1, 1), (1, 1))))
+  # A strided 1x1 (9 output pixels): the rule's other kernel gradient.
+  h = conv(h, p["k1"], (2, 2), ((0, 0), (0, 0)))
+  e = p["table"][ids] @ p["w"]
+  return jnp.mean(jnp.square(h.astype(F32))) + jnp.mean(
+    jnp.square(e.astype(F32))
+  )
+
+
+def test_half_wire_o2_convs_and_embeddings():
+  """jaxmp.nn's convolutions and a gathered table take the half wire too."""
+  rng = np.random.default_rng(4)
+  shapes = {"k3": (3, 3, 3, 8), "k1": (1, 1, 8, 8), "table": (16, 8)}
+  shapes["w"] = (8, 8)
+  p = {k: jnp.asarray(rng.normal(size=s) / 3, F16) for k, s in shapes.items()}
+  x = jnp.asarray(rng.normal(size=(8, 6, 6, 3)), F16)
+  ids = jnp.asarray(rng.integers(0, 16, size=(8, 4)), jnp.int32)
+  mesh = _mesh("dp")
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  p = {k: put(v, P()) for k, v in p.items()}
+  x, ids = put(x, P("data")), put(ids, P("data"))
+  opt = jaxmp.mixed_precision(optax.sgd(0.1), loss_scale=8.0)
+  state = opt.init(p)
+  reports, grads = {}, {}
+  for mode in ("half_wire", "native", "fp32"):
+    step = jax.jit(
+      lambda p, s, x, i, mode=mode: jaxmp.value_and_grad(
+        _conv_embed_loss, grad_reduce=mode
+      )(p, s, x, i)[1],
+      out_shardings=NamedSharding(mesh, P()),
+    )
+    if mode != "fp32":
+      reports[mode] = jaxmp.reduction_report(step, p, state, x, ids)
+    grads[mode] = step(p, state, x, ids)
+  wire = reports["half_wire"]
+  assert {(r.op, r.dtype) for r in wire.rows} == {
+    ("all-to-all", "f16"),
+    ("all-gather", "f16"),
+  }, str(wire)
+  gathered = sorted(r.shape[0] for r in wire.rows if r.op == "all-gather")
+  assert gathered == sorted(math.prod(s) for s in shapes.values()), str(wire)
+  assert wire.bytes_sent <= 1.1 * reports["native"].bytes_sent
+  for k in shapes:  # fp32's, within the partials' and the sum's rounding.
+    g = np.asarray(grads["fp32"][k], np.float64)
+    np.testing.assert_allclose(
+      np.asarray(grads["half_wire"][k], np.float64),
+      g,
+      rtol=0,
+      atol=8 * 2.0**-11 * np.max(np.abs(g)),
+    )

@@ -237,7 +237,8 @@ def _conv_bwd(strides, padding, precision, residuals, dy):
       return jax.vjp(conv, w)[1](d)[0]
 
     dw = wire.summed_over_batch(kernel_grad, lhs, dy)
-    return vjp(dy)[0], vma_lib.match(dw, vma_lib.varying(rhs))
+    dw = vma_lib.match(dw.astype(rhs.dtype), vma_lib.varying(rhs))
+    return vjp(dy)[0], dw
 
   def cpu_grads():
     dx = input_grad_as_conv(dy, rhs, lhs.shape, strides, padding, precision)
