@@ -87,7 +87,7 @@ def product(eqn, operands: Sequence, dtypes: Sequence, wide, mode, updates):
       if not perturbed[j] or isinstance(g, _SymbolicZero):
         cts.append(None)
         continue
-      if wide[j]:
+      if wide[j] and not (mode == "half_wire" and _activation(eqn, j)):
         ct = _wide_cotangent(eqn, updates, saved, g, j, mode, shardings[j])
       else:
         ct = _cotangent(eqn, updates, saved, g, j, wide_out=False)
@@ -206,6 +206,19 @@ def _batch_dims(eqn, j):
   if j != 1 or p.get("batch_group_count", 1) != 1:
     return None
   return dn.lhs_spec[0], dn.out_spec[0]
+
+
+def _activation(eqn, j):
+  """Whether operand ``j`` is the batch side (``x`` of ``x @ w``).
+
+  The other operand is then a weight whose cotangent contracts the batch.
+
+  Under ``"half_wire"`` its cotangent is JAX's, in the product's dtype: it
+  sums nothing over the batch (as plain JAX, and as Megatron leaves a
+  tensor-parallel layer's), and an fp32 cotangent would have XLA:CPU widen
+  the weight before it gathers it again (FSDP): twice the bytes.
+  """
+  return _batch_dims(eqn, j) is None and _batch_dims(eqn, 1 - j) is not None
 
 
 def _half_wire_plan(eqn, cast, g, j):
