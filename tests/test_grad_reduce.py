@@ -201,7 +201,7 @@ def test_half_wire_bytes_and_sum(kind, weight):
 
 
 def test_half_wire_without_a_mesh_to_split_over():
-  """One device, a batch that does not split, manual axes: the fp32 sum."""
+  """One device or an uneven batch: the fp32 sum; shard_map's manual axes."""
   w, x, t = _integer_data()
   one = jax.grad(jaxmp.autocast(_product_loss, grad_reduce="half_wire"))
   exact = np.asarray(x, np.float64).T @ np.asarray(t, np.float64)
@@ -221,6 +221,30 @@ def test_half_wire_without_a_mesh_to_split_over():
     return one(w, x, t)
 
   jax.jit(manual).lower(w, x, t)  # Lowers: every axis is manual.
+  # Manual over fsdp only: the half wire over data, inside the shard_map.
+  mesh = _mesh("fsdp")
+
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P(), P("fsdp"), P("fsdp")),
+    out_specs=P(),
+    axis_names={"fsdp"},
+  )
+  def partly_manual(w, x, t):
+    return one(w, x, t)
+
+  with jax.set_mesh(mesh):
+    report = jaxmp.reduction_report(jax.jit(partly_manual), w, x, t)
+    got = np.asarray(jax.jit(partly_manual)(w, x, t), np.float64)
+  assert ("all-to-all", "f16") in {(r.op, r.dtype) for r in report.rows}
+  parts = np.einsum(
+    "fdbi,fdbo->fdio",
+    np.asarray(x, np.float64).reshape(2, 2, 8, 8),
+    np.asarray(t, np.float64).reshape(2, 2, 8, 4),
+  )
+  halves = np.abs(parts).sum((0, 1)) + np.abs(parts.sum(1)).sum(0)
+  assert np.all(np.abs(got - exact) <= 2.0**-11 * halves), str(report)
 
 
 def test_gradient_matches_one_device_within_fp32_rounding():

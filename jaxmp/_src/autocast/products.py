@@ -256,13 +256,16 @@ def _half_wire_cotangent(eqn, updates, cast, g, j, mesh, axes, dims, target):
   def partial(other, gl):
     ops = [None, None]
     ops[k] = other
-    ops[j] = vma_lib.mark_varying(jnp.zeros(shape, cast[j].dtype), axes)
+    ops[j] = _zeros_like(shape, cast[j].dtype, vma_lib.varying(other))
     return _cotangent(eqn, local_updates, ops, gl, j, wide_out=True)
 
   plan = (mesh, axes)
-  return wire.batch_summed(
+  ct = wire.batch_summed(
     partial, [cast[k], g], dims, wire_dtype, plan, target, shape
   )
+  # Inside a shard_map's manual axes: typed (and summed over them) as JAX
+  # types the cotangent of operand j.
+  return vma_lib.match(ct, vma_lib.varying(cast[j]))
 
 
 def summed_in_fp32(eqn, invals, mode="fp32"):
@@ -324,13 +327,15 @@ def _half_wire_gather(eqn, x, rest, g):
   shape = x.shape
 
   def partial(i, gl):
-    zeros = vma_lib.mark_varying(jnp.zeros(shape, wire.F32), plan[1])
+    zeros = _zeros_like(shape, wire.F32, vma_lib.varying(i))
     linear = lambda t: ji.bind(eqn, [t, i])[0]
     return jax.vjp(linear, zeros)[1](gl.astype(wire.F32))[0]
 
-  return wire.batch_summed(
-    partial, [idx, g], [0, 0], x.dtype, plan, _explicit_sharding(x), shape
+  sharding = _explicit_sharding(x)
+  ct = wire.batch_summed(
+    partial, [idx, g], [0, 0], x.dtype, plan, sharding, shape
   )
+  return vma_lib.match(ct, vma_lib.varying(x))
 
 
 def broadcast_summed_in_fp32(x, shape, like=None):

@@ -273,9 +273,9 @@ def batch_summed(
   cotangent); each ``operands[i]`` is split on dim ``dims[i]`` (its batch)
   over every axis of ``plan`` (`batch_plan`'s). The partial is rounded to
   ``wire_dtype``, sent by one all-to-all, and added in fp32 (`_reduce_local`).
-  Returns the fp32 sum, laid out as ``target`` says (a sharding: a mesh of
-  explicit axes; then ``shape`` is the sum's) or else as XLA's partitioner
-  lays out its users.
+  Returns the fp32 sum (of ``shape``), laid out as ``target`` says (a
+  sharding: a mesh of explicit axes), replicated inside a ``shard_map``, or
+  else as XLA's partitioner lays out its users.
   """
   mesh, axes = plan
   P = jax.sharding.PartitionSpec
@@ -290,7 +290,10 @@ def batch_summed(
   def partial(*ops):
     return fn(*ops).astype(wire_dtype)
 
-  if target is not None:  # The layout is known: one shard_map.
+  manual = getattr(jax.sharding.AxisType, "Manual", None)
+  if target is not None or manual in getattr(mesh, "axis_types", ()):
+    # The layout is known (explicit axes), or inside a shard_map's manual
+    # axes (no custom_partitioning there: replicated): one shard_map.
     sizes = dict(mesh.shape)
     dim, shard_axes = _layout(target, axes, shape, sizes)
     return jax.shard_map(
@@ -329,7 +332,9 @@ def summed_over_batch(fn: Callable[..., jax.Array], *operands) -> jax.Array:
   plan = batch_plan(operands, [0] * len(operands))
   if wire_dtype is None or plan is None:
     return fn(*operands)
-  return batch_summed(fn, operands, [0] * len(operands), wire_dtype, plan)
+  shape = jax.eval_shape(fn, *operands).shape
+  dims = [0] * len(operands)
+  return batch_summed(fn, operands, dims, wire_dtype, plan, None, shape)
 
 
 def _half_wire_sum(x: jax.Array, axis_name, wire) -> jax.Array:
