@@ -146,10 +146,15 @@ def _integer_data():
 
 
 @pytest.mark.parametrize(
-  "kind, weight",
-  [("dp", P()), ("fsdp", P("fsdp", None)), ("dp", P("data", None))],
+  "kind, weight, explicit",
+  [
+    ("dp", P(), False),
+    ("fsdp", P("fsdp", None), False),
+    ("dp", P("data", None), False),
+    ("fsdp", P("fsdp", None), True),  # jax.make_mesh's default axes.
+  ],
 )
-def test_half_wire_bytes_and_sum(kind, weight):
+def test_half_wire_bytes_and_sum(kind, weight, explicit):
   """Half all-to-all, fp32 adds, the sum rounded once; native's bytes.
 
   Each device's partial ``x_d.T @ t_d`` is an integer (exact in fp32), up
@@ -161,7 +166,7 @@ def test_half_wire_bytes_and_sum(kind, weight):
   keeps the fp32 sum.
   """
   w, x, t = _integer_data()
-  mesh = _mesh(kind)
+  mesh = _mesh(kind, explicit)
   batch = _specs(kind)[0]
   put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
   w, x, t = put(w, weight), put(x, batch), put(t, batch)
