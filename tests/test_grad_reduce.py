@@ -146,63 +146,66 @@ def _integer_data():
 
 
 @pytest.mark.parametrize(
-  "kind, weight, explicit",
+  "kind, weight, explicit, dtype",
   [
-    ("dp", P(), False),
-    ("fsdp", P("fsdp", None), False),
-    ("dp", P("data", None), False),
-    ("fsdp", P("fsdp", None), True),  # jax.make_mesh's default axes.
+    ("dp", P(), False, F16),
+    ("fsdp", P("fsdp", None), False, F16),
+    ("dp", P("data", None), False, F16),
+    ("fsdp", P("fsdp", None), True, BF16),  # jax.make_mesh's default axes.
   ],
 )
-def test_half_wire_bytes_and_sum(kind, weight, explicit):
+def test_half_wire_bytes_and_sum(kind, weight, explicit, dtype):
   """Half all-to-all, fp32 adds, the sum rounded once; native's bytes.
 
   Each device's partial ``x_d.T @ t_d`` is an integer (exact in fp32), up
-  to 28,800: fp16 rounds it (to 2 to 16 above 2,048). The half wire sends
-  ``f16(partial_d)`` and adds in fp32 (exact here): each device's sum is
-  its shard of the weight's gradient. Where the weight is replicated over
-  some axes (all of them for DP, ``data`` for FSDP) that shard is rounded
-  once to fp16 and gathered over them; a weight split over every device
-  keeps the fp32 sum.
+  to 28,800: fp16 rounds it (to 2 to 16 above 2,048), bf16 more. The half
+  wire sends ``half(partial_d)`` and adds in fp32 (exact here): each
+  device's sum is its shard of the weight's gradient. Where the weight is
+  replicated over some axes (all of them for DP, ``data`` for FSDP) that
+  shard is rounded once to half and gathered over them; a weight split over
+  every device keeps the fp32 sum. ``x``'s cotangent is asked for too: it
+  sums nothing, and takes the forward's half weight (no fp32 gather).
   """
   w, x, t = _integer_data()
   mesh = _mesh(kind, explicit)
   batch = _specs(kind)[0]
   put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
   w, x, t = put(w, weight), put(x, batch), put(t, batch)
+  half = jnp.dtype(dtype).name.replace("float", "f").replace("bfloat", "bf")
   steps, reports = {}, {}
   for mode in ("fp32", "half_wire", "native"):
+    loss = jaxmp.autocast(_product_loss, dtype, grad_reduce=mode)
     steps[mode] = jax.jit(
-      jax.grad(jaxmp.autocast(_product_loss, grad_reduce=mode)),
-      out_shardings=w.sharding,
+      jax.grad(loss, argnums=(0, 1)), out_shardings=(w.sharding, x.sharding)
     )
     with jax.set_mesh(mesh):
       reports[mode] = jaxmp.reduction_report(steps[mode], w, x, t)
   wire = reports["half_wire"]
   assert {(r.op, r.dtype) for r in wire.rows} <= {
-    ("all-to-all", "f16"),
-    ("all-gather", "f16"),
+    ("all-to-all", half),
+    ("all-gather", half),
   }, str(wire)
-  assert ("all-to-all", "f16") in {(r.op, r.dtype) for r in wire.rows}
+  assert ("all-to-all", half) in {(r.op, r.dtype) for r in wire.rows}
   native, fp32 = reports["native"].bytes_sent, reports["fp32"].bytes_sent
   assert 0 < wire.bytes_sent <= 1.1 * native, (str(wire), native)
   assert wire.bytes_sent < fp32, (str(wire), fp32)
   # No mesh set: found from the inputs' types, the same program.
   assert jaxmp.reduction_report(steps["half_wire"], w, x, t).rows == wire.rows
   with jax.set_mesh(mesh):
-    got = np.asarray(steps["half_wire"](w, x, t), np.float64)
+    got = np.asarray(steps["half_wire"](w, x, t)[0], np.float64)
   xs = np.asarray(x, np.float64).reshape(4, 8, 8)
   ts = np.asarray(t, np.float64).reshape(4, 8, 4)
   partials = np.einsum("dbi,dbo->dio", xs, ts)
   truth = partials.sum(0)
-  sent = partials.astype(np.float16).astype(np.float64)
+  sent = partials.astype(dtype).astype(np.float64)
   rounded = weight != P("data", None)
-  want = sent.sum(0).astype(np.float16 if rounded else np.float64)
-  np.testing.assert_array_equal(got, want)
-  # Against the fp64 sum: each partial's rounding to fp16 plus the sum's.
-  bound = 2.0**-11 * (np.abs(partials).sum(0) + rounded * np.abs(truth))
+  want = sent.sum(0).astype(dtype if rounded else np.float64)
+  np.testing.assert_array_equal(got, want.astype(np.float64))
+  # Against the fp64 sum: each partial's rounding to half plus the sum's.
+  unit = 2.0 ** -jnp.finfo(dtype).nmant / 2
+  bound = unit * (np.abs(partials).sum(0) + rounded * np.abs(truth))
   assert np.all(np.abs(got - truth) <= bound)
-  assert np.any(got != truth)  # fp16 rounded something: the test can fail.
+  assert np.any(got != truth)  # Half rounded something: the test can fail.
 
 
 def test_half_wire_without_a_mesh_to_split_over():
