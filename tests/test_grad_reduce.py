@@ -8,6 +8,7 @@ data parallel ``(4,)`` and FSDP ``(2, 2)``, params ``P("fsdp", None)``.
 
 import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmp
+from jaxmp import nn as jaxmp_nn
 
 pytestmark = pytest.mark.devices(4)
 
@@ -292,6 +294,128 @@ def test_half_wire_where_it_cannot_split_the_batch():
     got = both(p, jax.tree.map(f32, six), jax.tree.map(f32, split))
   for g, (x, t) in zip(got, (six, split)):
     _within_one_half_rounding(g["w1"], x, t)
+
+
+def _product_loss(w, x, t):
+  return jnp.sum((x @ w).astype(F32) * t)
+
+
+def _integer_data():
+  """(w, x, t): x and t small integers (each product and fp32 sum exact)."""
+  rng = np.random.default_rng(3)
+  x = rng.integers(-60, 61, size=(32, 8)).astype(np.float32)
+  t = rng.integers(-60, 61, size=(32, 4)).astype(np.float32)
+  return jnp.ones((8, 4), F32), x, t
+
+
+@pytest.mark.parametrize(
+  "kind, weight, explicit, dtype",
+  [
+    ("dp", P(), False, F16),
+    ("fsdp", P("fsdp", None), False, F16),
+    ("dp", P("data", None), False, F16),
+    ("fsdp", P("fsdp", None), True, BF16),  # jax.make_mesh's default axes.
+  ],
+)
+def test_half_wire_bytes_and_sum(kind, weight, explicit, dtype):
+  """Half all-to-all, fp32 adds, the sum rounded once; native's bytes.
+
+  Each device's partial ``x_d.T @ t_d`` is an integer (exact in fp32), up
+  to 28,800: fp16 rounds it (to 2 to 16 above 2,048), bf16 more. The half
+  wire sends ``half(partial_d)`` and adds in fp32 (exact here): each
+  device's sum is its shard of the weight's gradient. Where the weight is
+  replicated over some axes (all of them for DP, ``data`` for FSDP) that
+  shard is rounded once to half and gathered over them; a weight split over
+  every device keeps the fp32 sum. ``x``'s cotangent is asked for too: it
+  sums nothing, and takes the forward's half weight (no fp32 gather).
+  """
+  w, x, t = _integer_data()
+  mesh = _mesh(kind, explicit)
+  batch = _specs(kind)[0]
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  w, x, t = put(w, weight), put(x, batch), put(t, batch)
+  half = jnp.dtype(dtype).name.replace("float", "f").replace("bfloat", "bf")
+  steps, reports = {}, {}
+  for mode in ("fp32", "half_wire", "native"):
+    loss = jaxmp.autocast(_product_loss, dtype, grad_reduce=mode)
+    steps[mode] = jax.jit(
+      jax.grad(loss, argnums=(0, 1)), out_shardings=(w.sharding, x.sharding)
+    )
+    with jax.set_mesh(mesh):
+      reports[mode] = jaxmp.reduction_report(steps[mode], w, x, t)
+  wire = reports["half_wire"]
+  assert {(r.op, r.dtype) for r in wire.rows} <= {
+    ("all-to-all", half),
+    ("all-gather", half),
+  }, str(wire)
+  assert ("all-to-all", half) in {(r.op, r.dtype) for r in wire.rows}
+  native, fp32 = reports["native"].bytes_sent, reports["fp32"].bytes_sent
+  assert 0 < wire.bytes_sent <= 1.1 * native, (str(wire), native)
+  assert wire.bytes_sent < fp32, (str(wire), fp32)
+  # No mesh set: found from the inputs' types, the same program.
+  assert jaxmp.reduction_report(steps["half_wire"], w, x, t).rows == wire.rows
+  with jax.set_mesh(mesh):
+    got = np.asarray(steps["half_wire"](w, x, t)[0], np.float64)
+  xs = np.asarray(x, np.float64).reshape(4, 8, 8)
+  ts = np.asarray(t, np.float64).reshape(4, 8, 4)
+  partials = np.einsum("dbi,dbo->dio", xs, ts)
+  truth = partials.sum(0)
+  sent = partials.astype(dtype).astype(np.float64)
+  rounded = weight != P("data", None)
+  want = sent.sum(0).astype(dtype if rounded else np.float64)
+  np.testing.assert_array_equal(got, want.astype(np.float64))
+  # Against the fp64 sum: each partial's rounding to half plus the sum's.
+  unit = 2.0 ** -jnp.finfo(dtype).nmant / 2
+  bound = unit * (np.abs(partials).sum(0) + rounded * np.abs(truth))
+  assert np.all(np.abs(got - truth) <= bound)
+  assert np.any(got != truth)  # Half rounded something: the test can fail.
+
+
+def test_half_wire_without_a_mesh_to_split_over():
+  """One device or an uneven batch: the fp32 sum; shard_map's manual axes."""
+  w, x, t = _integer_data()
+  one = jax.grad(jaxmp.autocast(_product_loss, grad_reduce="half_wire"))
+  exact = np.asarray(x, np.float64).T @ np.asarray(t, np.float64)
+  np.testing.assert_array_equal(jax.jit(one)(w, x, t), exact)
+  mesh = _mesh("dp")
+  with jax.set_mesh(mesh):  # Batch 6 on 4 devices: no all-to-all.
+    report = jaxmp.reduction_report(jax.jit(one), w, x[:6], t[:6])
+  assert not [r for r in report.rows if r.op == "all-to-all"], str(report)
+
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P(), P("data"), P("data")),
+    out_specs=P(),
+  )
+  def manual(w, x, t):
+    return one(w, x, t)
+
+  jax.jit(manual).lower(w, x, t)  # Lowers: every axis is manual.
+  # Manual over fsdp only: the half wire over data, inside the shard_map.
+  mesh = _mesh("fsdp")
+
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P(), P("fsdp"), P("fsdp")),
+    out_specs=P(),
+    axis_names={"fsdp"},
+  )
+  def partly_manual(w, x, t):
+    return one(w, x, t)
+
+  with jax.set_mesh(mesh):
+    report = jaxmp.reduction_report(jax.jit(partly_manual), w, x, t)
+    got = np.asarray(jax.jit(partly_manual)(w, x, t), np.float64)
+  assert ("all-to-all", "f16") in {(r.op, r.dtype) for r in report.rows}
+  parts = np.einsum(
+    "fdbi,fdbo->fdio",
+    np.asarray(x, np.float64).reshape(2, 2, 8, 8),
+    np.asarray(t, np.float64).reshape(2, 2, 8, 4),
+  )
+  halves = np.abs(parts).sum((0, 1)) + np.abs(parts.sum(1)).sum(0)
+  assert np.all(np.abs(got - exact) <= 2.0**-11 * halves), str(report)
 
 
 def test_gradient_matches_one_device_within_fp32_rounding():
@@ -733,3 +857,59 @@ def test_app_config_names_its_mode(make_config, data_dir, tmp_path, capsys):
     "Gradients summed across 4 device(s) in half precision on the wire, "
     "added in fp32 (grad_reduce=half_wire)\n"
   )
+
+
+def _conv_embed_loss(p, x, ids):
+  conv = functools.partial(
+    jaxmp_nn.conv_general_dilated, dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
+  h = jax.nn.relu(conv(x, p["k3"], (1, 1), ((1, 1), (1, 1))))
+  # A strided 1x1 (9 output pixels): the rule's other kernel gradient.
+  h = conv(h, p["k1"], (2, 2), ((0, 0), (0, 0)))
+  e = p["table"][ids] @ p["w"]
+  return jnp.mean(jnp.square(h.astype(F32))) + jnp.mean(
+    jnp.square(e.astype(F32))
+  )
+
+
+def test_half_wire_o2_convs_and_embeddings():
+  """jaxmp.nn's convolutions and a gathered table take the half wire too."""
+  rng = np.random.default_rng(4)
+  shapes = {"k3": (3, 3, 3, 8), "k1": (1, 1, 8, 8), "table": (16, 8)}
+  shapes["w"] = (8, 8)
+  p = {k: jnp.asarray(rng.normal(size=s) / 3, F16) for k, s in shapes.items()}
+  x = jnp.asarray(rng.normal(size=(8, 6, 6, 3)), F16)
+  ids = jnp.asarray(rng.integers(0, 16, size=(8, 4)), jnp.int32)
+  mesh = _mesh("dp")
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  p = {k: put(v, P()) for k, v in p.items()}
+  x, ids = put(x, P("data")), put(ids, P("data"))
+  opt = jaxmp.mixed_precision(optax.sgd(0.1), loss_scale=8.0)
+  state = opt.init(p)
+  reports, grads = {}, {}
+  for mode in ("half_wire", "native", "fp32"):
+    step = jax.jit(
+      lambda p, s, x, i, mode=mode: jaxmp.value_and_grad(
+        _conv_embed_loss, grad_reduce=mode
+      )(p, s, x, i)[1],
+      out_shardings=NamedSharding(mesh, P()),
+    )
+    if mode != "fp32":
+      reports[mode] = jaxmp.reduction_report(step, p, state, x, ids)
+    grads[mode] = step(p, state, x, ids)
+  wire = reports["half_wire"]
+  assert {(r.op, r.dtype) for r in wire.rows} == {
+    ("all-to-all", "f16"),
+    ("all-gather", "f16"),
+  }, str(wire)
+  gathered = sorted(r.shape[0] for r in wire.rows if r.op == "all-gather")
+  assert gathered == sorted(math.prod(s) for s in shapes.values()), str(wire)
+  assert wire.bytes_sent <= 1.1 * reports["native"].bytes_sent
+  for k in shapes:  # fp32's, within the partials' and the sum's rounding.
+    g = np.asarray(grads["fp32"][k], np.float64)
+    np.testing.assert_allclose(
+      np.asarray(grads["half_wire"][k], np.float64),
+      g,
+      rtol=0,
+      atol=8 * 2.0**-11 * np.max(np.abs(g)),
+    )

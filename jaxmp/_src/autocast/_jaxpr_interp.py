@@ -35,6 +35,7 @@ which; the rest reads ``constvars``, ``invars``, ``eqns``, ``outvars``,
 them to its ``Jaxpr``), and never the ``.jaxpr`` of a closed one.
 """
 
+import contextlib
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
@@ -469,6 +470,7 @@ def run_custom_vjp(
   ct_dtypes: Optional[Sequence[Any]] = None,
   res_dtypes_of: Optional[Callable[[list], list]] = None,
   bwd_body: Optional[Body] = None,
+  bwd_context: Optional[Callable[[], Any]] = None,
 ) -> list:
   """Re-binds a ``custom_vjp`` whose primal and rules run through ``body``.
 
@@ -491,6 +493,8 @@ def run_custom_vjp(
       to save them in (by default, as computed).
     bwd_body: the evaluator of the bwd rule's operations (``body`` by
       default).
+    bwd_context: a context manager factory, entered while the user's bwd
+      rule is called (traced).
   """
   bwd_body = body if bwd_body is None else bwd_body
   p = eqn.params
@@ -540,7 +544,8 @@ def run_custom_vjp(
 
   def call_bwd(*a):
     """The user's rule: ``(cotangents, logs, pair)``; logs from jax 0.11."""
-    out = bwd0.call_wrapped(*a)
+    with bwd_context() if bwd_context else contextlib.nullcontext():
+      out = bwd0.call_wrapped(*a)
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], list):
       return list(out[0]), out[1], True
     return list(out), None, False

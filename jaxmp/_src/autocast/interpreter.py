@@ -24,6 +24,8 @@ primitives with bodies (``reduce`` with a custom computation, ``scatter-add``
 and its kin), bitcasts and callbacks run at their traced dtypes.
 """
 
+import functools
+
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +38,7 @@ from jaxmp._src.autocast import fp8 as _fp8
 from jaxmp._src.autocast import report
 from jaxmp._src.autocast import rules
 from jaxmp._src.autocast import products
+from jaxmp._src.reduction import wire
 
 # Ops that pass a value through unchanged in substance: a product operand
 # reached from a function input through them is a weight (or data, whose
@@ -171,7 +174,7 @@ class Interpreter:
     ):
       # A half weight broadcast or gathered as it is (its only float
       # operand): the transpose's sum over the batch runs in fp32.
-      return [products.summed_in_fp32(eqn, invals)]
+      return [products.summed_in_fp32(eqn, invals, self.grad_reduce)]
     if not idx or name in rules.INDEPENDENT:
       return ji.bind(eqn, invals)
     updates = {}
@@ -378,11 +381,14 @@ class Interpreter:
       # that its operands share a dtype.
       for i in floats:
         args[i] = rules.cast(args[i], self.dtype)
+    bwd_context = None
     if multiplied and self.grad_reduce != "native":
-      # Its weight cotangents come from the bwd rule's own products.
+      # Its weight cotangents come from the bwd rule's own products; the
+      # rule's `wire.summed_over_batch` sums them as grad_reduce says.
       wide = Interpreter(self.dtype, self.natural, self.fp8)
       wide.widen_products = True
       bwd_body = wide._body()
+      bwd_context = functools.partial(wire.reducing, self.grad_reduce)
     out_dtypes_of, res_dtypes_of = list, None
     if not self.natural and rules.NORMALIZATION_MARK in ji.rule_name(eqn):
       nc = ji.params(eqn)["num_consts"]
@@ -411,6 +417,7 @@ class Interpreter:
       ct_dtypes,
       res_dtypes_of,
       bwd_body=bwd_body,
+      bwd_context=bwd_context,
     )
 
   def _body(self, inweak=None, inputs=None):

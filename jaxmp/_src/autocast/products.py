@@ -87,8 +87,8 @@ def product(eqn, operands: Sequence, dtypes: Sequence, wide, mode, updates):
       if not perturbed[j] or isinstance(g, _SymbolicZero):
         cts.append(None)
         continue
-      if wide[j]:
-        ct = _wide_cotangent(eqn, updates, saved, g, j, mode)
+      if wide[j] and not (mode == "half_wire" and _activation(eqn, j)):
+        ct = _wide_cotangent(eqn, updates, saved, g, j, mode, shardings[j])
       else:
         ct = _cotangent(eqn, updates, saved, g, j, wide_out=False)
       cts.append(_resharded(ct.astype(dtype), shardings[j]))
@@ -174,12 +174,12 @@ def _widen(eqn, invals, inweak):
   return outs, [False] * len(outs)
 
 
-def _wide_cotangent(eqn, updates, cast, g, j, mode):
+def _wide_cotangent(eqn, updates, cast, g, j, mode, target=None):
   """The fp32 cotangent of operand ``j``; on a half wire where asked."""
   if mode == "half_wire":
     plan = _half_wire_plan(eqn, cast, g, j)
     if plan is not None:
-      return _half_wire_cotangent(eqn, updates, cast, g, j, *plan)
+      return _half_wire_cotangent(eqn, updates, cast, g, j, *plan, target)
   return _cotangent(eqn, updates, cast, g, j, wide_out=True)
 
 
@@ -208,50 +208,41 @@ def _batch_dims(eqn, j):
   return dn.lhs_spec[0], dn.out_spec[0]
 
 
-def _mesh_axes():
-  """The mesh in context and its non-manual axes, or None."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
-    return None
-  manual = getattr(jax.sharding.AxisType, "Manual", None)
-  types = getattr(mesh, "axis_types", (None,) * len(mesh.axis_names))
-  axes = tuple(
-    a
-    for a, t in zip(mesh.axis_names, types)
-    if t != manual and mesh.shape[a] > 1
-  )
-  return (mesh, axes) if axes else None
+def _activation(eqn, j):
+  """Whether operand ``j`` is the batch side (``x`` of ``x @ w``).
+
+  The other operand is then a weight whose cotangent contracts the batch.
+
+  Under ``"half_wire"`` its cotangent is JAX's, in the product's dtype: it
+  sums nothing over the batch (as plain JAX, and as Megatron leaves a
+  tensor-parallel layer's), and an fp32 cotangent would have XLA:CPU widen
+  the weight before it gathers it again (FSDP): twice the bytes.
+  """
+  return _batch_dims(eqn, j) is None and _batch_dims(eqn, 1 - j) is not None
 
 
 def _half_wire_plan(eqn, cast, g, j):
-  found = _mesh_axes()
+  """``(mesh, axes, dims)`` for operand ``j``'s half-wire cotangent, or None.
+
+  The mesh is `jax.set_mesh`'s or the one the operands' types carry; None
+  (the fp32 sum) where there is none (nothing crosses devices) or the batch
+  does not split evenly over its devices.
+  """
   dims = _batch_dims(eqn, j)
-  if found is None or dims is None:
+  if dims is None:
     return None
-  mesh, axes = found
-  n = 1
-  for a in axes:
-    n *= mesh.shape[a]
-  k = 1 - j
-  if cast[k].shape[dims[0]] % n or g.shape[dims[1]] % n:
-    return None
-  return mesh, axes, dims
+  plan = wire.batch_plan([cast[1 - j], g], dims)
+  return None if plan is None else (*plan, dims)
 
 
-def _spec(ndim, dim, axes):
-  spec = [None] * ndim
-  spec[dim] = axes
-  return jax.sharding.PartitionSpec(*spec)
-
-
-def _half_wire_cotangent(eqn, updates, cast, g, j, mesh, axes, dims):
+def _half_wire_cotangent(eqn, updates, cast, g, j, mesh, axes, dims, target):
   """Operand ``j``'s cotangent: per-device partials sent in half.
 
-  A ``shard_map`` over ``axes`` (the batch split over every device): each
-  device computes its partial cotangent from its slice of the batch in
-  fp32, sends it in the product's half dtype by one all-to-all, adds the
-  chunks it receives in fp32, and returns its chunk; GSPMD lays the chunks
-  out as the gradient's sharding asks (an all-gather in half, or none).
+  Each device computes its partial cotangent from its slice of the batch in
+  fp32; `wire.batch_summed` sends the partials in the product's half dtype
+  by one all-to-all and adds them in fp32, laid out as the gradient's
+  sharding asks (a parameter's shards: no gather; replicated: a gather in
+  half).
   """
   k = 1 - j
   wire_dtype = jnp.dtype(cast[j].dtype)
@@ -261,32 +252,23 @@ def _half_wire_cotangent(eqn, updates, cast, g, j, mesh, axes, dims):
   if "out_sharding" in ji.params(eqn):
     local_updates["out_sharding"] = None
   shape = cast[j].shape
-  P = jax.sharding.PartitionSpec
 
-  def body(other, gl):
+  def partial(other, gl):
     ops = [None, None]
     ops[k] = other
-    ops[j] = vma_lib.mark_varying(jnp.zeros(shape, cast[j].dtype), axes)
-    partial = _cotangent(eqn, local_updates, ops, gl, j, wide_out=True)
-    return wire.half_wire_chunks(partial, axes, wire_dtype).astype(wire_dtype)
+    ops[j] = _zeros_like(shape, cast[j].dtype, vma_lib.varying(other))
+    return _cotangent(eqn, local_updates, ops, gl, j, wide_out=True)
 
-  in_specs = (_spec(cast[k].ndim, dims[0], axes), _spec(g.ndim, dims[1], axes))
-  other, gg = cast[k], g
-  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-  if any(t == explicit for t in getattr(mesh, "axis_types", ())):
-    other = jax.sharding.reshard(other, in_specs[0])
-    gg = jax.sharding.reshard(gg, in_specs[1])
-  chunks = jax.shard_map(
-    body, mesh=mesh, in_specs=in_specs, out_specs=P(axes), axis_names=set(axes)
-  )(other, gg)
-  size = 1
-  for s in shape:
-    size *= s
-  # Laid out (and resharded, where the gradient's sharding asks) in half.
-  return chunks[:size].reshape(shape)
+  plan = (mesh, axes)
+  ct = wire.batch_summed(
+    partial, [cast[k], g], dims, wire_dtype, plan, target, shape
+  )
+  # Inside a shard_map's manual axes: typed (and summed over them) as JAX
+  # types the cotangent of operand j.
+  return vma_lib.match(ct, vma_lib.varying(cast[j]))
 
 
-def summed_in_fp32(eqn, invals):
+def summed_in_fp32(eqn, invals, mode="fp32"):
   """``eqn`` (a broadcast or a gather of a half weight), summed back in fp32.
 
   The transpose of a broadcast sums over what it broadcast (a bias's or a
@@ -294,6 +276,8 @@ def summed_in_fp32(eqn, invals):
   embedding's). Both run on the fp32 cotangent, so a cross-device sum at
   their output runs in fp32; the result is rounded to the weight's dtype.
   ``invals[0]`` is the op's only float operand (a gather's indices follow).
+  With ``mode="half_wire"``, a gather's (batch-leading indices) is summed
+  on a half wire with fp32 adds (`wire.batch_summed`).
   """
   x = invals[0]
   dtype, shape = x.dtype, x.shape
@@ -308,6 +292,10 @@ def summed_in_fp32(eqn, invals):
     return op(x, *rest), rest
 
   def op_bwd(rest, g):
+    if mode == "half_wire":
+      ct = _half_wire_gather(eqn, x, rest, g)
+      if ct is not None:
+        return (_resharded(ct.astype(dtype), sharding), *[None] * len(rest))
     linear = lambda t: ji.bind(eqn, [t, *rest])[0]
     wide = _resharded(_zeros_like(shape, wire.F32, vma), sharding)
     (ct,) = jax.vjp(linear, wide)[1](g.astype(wire.F32))
@@ -315,6 +303,39 @@ def summed_in_fp32(eqn, invals):
 
   op.defvjp(op_fwd, op_bwd)
   return op(*invals)
+
+
+def _half_wire_gather(eqn, x, rest, g):
+  """A gather's (an embedding's) scatter-add on a half wire, or None.
+
+  None (the fp32 sum) unless the gather's output leads with its indices'
+  leading (batch) dimension and a mesh splits it evenly.
+  """
+  if ji.primitive_name(eqn) != "gather" or len(rest) != 1:
+    return None
+  idx, dn = rest[0], ji.params(eqn)["dimension_numbers"]
+  if (
+    idx.ndim < 2
+    or 0 in dn.offset_dims
+    or getattr(dn, "operand_batching_dims", ())
+    or idx.shape[0] != g.shape[0]
+  ):
+    return None
+  plan = wire.batch_plan([idx, g], [0, 0])
+  if plan is None:
+    return None
+  shape = x.shape
+
+  def partial(i, gl):
+    zeros = _zeros_like(shape, wire.F32, vma_lib.varying(i))
+    linear = lambda t: ji.bind(eqn, [t, i])[0]
+    return jax.vjp(linear, zeros)[1](gl.astype(wire.F32))[0]
+
+  sharding = _explicit_sharding(x)
+  ct = wire.batch_summed(
+    partial, [idx, g], [0, 0], x.dtype, plan, sharding, shape
+  )
+  return vma_lib.match(ct, vma_lib.varying(x))
 
 
 def broadcast_summed_in_fp32(x, shape, like=None):

@@ -290,7 +290,9 @@ def autocast(
       gradient (an fp32 param's, or any input's) outputs fp32, so the sum
       XLA places there runs in fp32 (on one device, the gradient no longer
       passes through half). ``"half_wire"``: half on the wire, fp32 adds
-      (an all-to-all of half partials over the mesh of ``jax.set_mesh``).
+      (an all-to-all of half partials over the mesh of ``jax.set_mesh``, or
+      of the inputs' shardings; each device's sum is its shard of the
+      gradient, a replicated one gathered in half).
       ``"native"``: JAX's dtypes (the sums in half), and forward-mode
       differentiation (``jax.jvp``) of the products, which the other two do
       not support. See the sharded-training guide.

@@ -43,6 +43,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from jaxmp._src import vma as vma_lib
+from jaxmp._src.reduction import wire
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
 # Convolutions with at most this many output pixels per image run as one
@@ -225,16 +226,32 @@ def _conv_bwd(strides, padding, precision, residuals, dy):
 
   def lax_grads():
     _, vjp = jax.vjp(
-      lambda x, w: _lax_conv(x, w, strides, padding, precision), lhs, rhs
+      lambda x: _lax_conv(x, rhs, strides, padding, precision), lhs
     )
-    return vjp(dy)
+
+    def kernel_grad(x, d):
+      # The kernel's value is not read (the conv is linear in it).
+      w, axes = jnp.zeros(rhs.shape, rhs.dtype), vma_lib.varying(x)
+      w = vma_lib.mark_varying(w, tuple(sorted(axes))) if axes else w
+      conv = lambda w: _lax_conv(x, w, strides, padding, precision)
+      return jax.vjp(conv, w)[1](d)[0]
+
+    dw = wire.summed_over_batch(kernel_grad, lhs, dy)
+    dw = vma_lib.match(dw.astype(rhs.dtype), vma_lib.varying(rhs))
+    return vjp(dy)[0], dw
 
   def cpu_grads():
     dx = input_grad_as_conv(dy, rhs, lhs.shape, strides, padding, precision)
     if rhs.shape[0] * rhs.shape[1] == 1:
-      dw = kernel_grad_by_taps(lhs, dy, rhs.shape, strides, padding, precision)
+      kernel_grad = kernel_grad_by_taps
     else:
-      dw = kernel_grad_as_conv(lhs, dy, rhs.shape, strides, padding, precision)
+      kernel_grad = kernel_grad_as_conv
+    # Summed across devices as autocast's grad_reduce says (half_wire).
+    dw = wire.summed_over_batch(
+      lambda x, d: kernel_grad(x, d, rhs.shape, strides, padding, precision),
+      lhs,
+      dy,
+    )
     # Under shard_map: typed as lax's gradients are (a replicated kernel's
     # summed over the axes the batch varies over).
     return (

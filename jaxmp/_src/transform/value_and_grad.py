@@ -59,7 +59,8 @@ def value_and_grad(
       in fp32, and each gradient is rounded once to its param's dtype after
       it; the same for the sums of broadcast weights (biases, norm scales)
       and gathered ones (embeddings). ``"half_wire"``: half on the wire,
-      fp32 adds (over the mesh of ``jax.set_mesh``). ``"native"``: plain
+      fp32 adds (over the mesh of ``jax.set_mesh`` or of the inputs'
+      shardings; biases and norm scales in fp32). ``"native"``: plain
       JAX (the sums in half). With fp32 params, ``fun`` runs as it is
       (use ``jaxmp.autocast(..., grad_reduce=)`` for its products).
 
