@@ -285,6 +285,9 @@ def _fp32(xb):
   xb = _flush_subnormals(xb)
   amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
   scale = jnp.where(amax > 0, jnp.maximum(_div(amax, 448.0), _TINY), 1.0)
+  # A non-finite block dequantizes to NaN whatever the backend's min/max
+  # make of NaN (jaxlib 0.9's clip and max drop it).
+  scale = jnp.where(jnp.isfinite(amax), scale, jnp.nan)
   codes = jnp.clip(_div(xb, scale), -448.0, 448.0)
   return codes.astype(jnp.float8_e4m3fn), scale
 
