@@ -609,6 +609,41 @@ def test_reduction_report_rows_bytes_and_table():
   assert one.rows == () and len(one) == 0 and list(one) == []
 
 
+_TUPLE_REFS_HLO = """HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (p: (s32[], f32[4], f32[4])) -> (s32[], f32[4], f32[4]) {
+  %p = (s32[], f32[4]{0}, f32[4]{0}) parameter(0)
+  %ct = f32[4]{0} all-reduce(%p#1), to_apply=%add, metadata={op_name="BWD"}
+  %gw = f32[4]{0} all-reduce(%p#2), to_apply=%add, metadata={op_name="BWD"}
+  %g = f32[4]{0} add(%p#2, %gw)
+  ROOT %t = (s32[], f32[4]{0}, f32[4]{0}) tuple(%p#0, %ct, %g)
+}
+
+%cond (q: (s32[], f32[4], f32[4])) -> pred[] {
+  %q = (s32[], f32[4]{0}, f32[4]{0}) parameter(0)
+  ROOT %lt = pred[] compare(%q#0, %q#0), direction=LT
+}
+
+ENTRY %main (a: f32[4], b: f32[4,4]) -> (f32[4], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %b = f32[4,4]{1,0} parameter(1)
+  %i = s32[] constant(0)
+  %init = (s32[], f32[4]{0}, f32[4]{0}) tuple(%i, %a, %a)
+  %w = (s32[], f32[4]{0}, f32[4]{0}) while(%init), condition=%cond, body=%body
+  %d = f32[4]{0} dot(%b, %w#1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/transpose(jvp(Net))/inp/dot_general"}
+  ROOT %r = (f32[4]{0}, f32[4]{0}) tuple(%d, %w#2)
+}
+""".replace(
+  "BWD", "jit(f)/transpose(jvp(Net))/while/body/eval_jaxpr/hidden/dot"
+)
+
+
 def test_report_source_strips_transforms_and_control_flow():
   from jaxmp._src.reduction import hlo  # pylint: disable=g-import-not-at-top
   from jaxmp._src.reduction import report as report_lib  # pylint: disable=g-import-not-at-top
@@ -627,9 +662,33 @@ def test_report_source_strips_transforms_and_control_flow():
     "jit(step)/ResNet/conv/grc,gro->gco/dot_general": "ResNet/conv",
     "jit(step)/jvp(jit(jaxmp_grad_reduce_fp32))/reduce_sum": "",
     "all_to_all": "",
+    # jax's call primitives name the ops they call (closed_call is
+    # eval_jaxpr from jax 0.12), under nn.scan and autocast.
+    "jit(loss)/jvp(jit(jaxmp_autocast_float16))/Net/while/body/eval_jaxpr/"
+    "block/out/dot_general": "Net/block/out",
+    "transpose(jvp(Net))/core_call/pjit/remat2/closed_call/dense/add": (
+      "Net/dense"
+    ),
   }
   for op_name, want in cases.items():
     assert hlo.source(op_name) == want, op_name
+  # The running jax's names for them, whatever it calls them.
+  from jax.extend.core import primitives  # pylint: disable=g-import-not-at-top
+
+  call = primitives.closed_call_p.name
+  assert call in hlo._jax_parts()  # pylint: disable=protected-access
+  assert (
+    hlo.source(f"Net/{call}/block/{call}/out/dot_general") == "Net/block/out"
+  )
+  # Tuple elements written ``%t#i`` (XLA with jax 0.12, no
+  # get-tuple-element): a loop's carried cotangent (element 1) that only
+  # feeds a product after the loop, beside a gradient (element 2) that is
+  # the result.
+  rows = report_lib._parse(_TUPLE_REFS_HLO, 4)  # pylint: disable=protected-access
+  assert [(r.op, r.kind, r.source) for r in rows] == [
+    ("all-reduce", "activation-cotangent sum", "Net/hidden"),
+    ("all-reduce", "gradient sum", "Net/hidden"),
+  ]
   # A recomputed forward (jax.checkpoint) is not the backward pass.
   assert hlo.is_backward("transpose(jvp(Net))/dense/dot_general")
   assert not hlo.is_backward(

@@ -9,20 +9,24 @@ which (the branches of a ``conditional``, a ``while``'s body, a ``call``).
 """
 
 import collections
+import functools
 import re
 from typing import NamedTuple, Optional
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _COMMENT = re.compile(r"/\*.*?\*/")
-_REF = re.compile(r"%([\w.\-]+)")
+# ``%t#1`` is element 1 of tuple ``t`` (XLA prints no get-tuple-element).
+_REF = re.compile(r"%([\w.\-]+(?:#\d+)*)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _WRAPPED = re.compile(r"^([\w\-]+)\((.*)\)$")
-# Name-stack parts that are control flow or recomputation, not a module.
+# Name-stack parts that jax's lowerings push (control flow, recomputation)
+# and jax's higher-order primitives of past releases; `_jax_parts` adds
+# those of the running jax's (``closed_call`` is ``eval_jaxpr`` in 0.12).
 _STRUCTURE = re.compile(
   r"^(?:cond|switch|while|body|cond_fun|body_fun|branch_\d+_fun|scan|"
-  r"checkpoint|remat|rematted_computation|shard_map|custom_jvp_call|"
-  r"custom_vjp_call|closed_call|core_call|pjit)$"
+  r"checkpoint|remat2?|rematted_computation|shard_map|custom_jvp_call|"
+  r"custom_vjp_call|closed_call|core_call|call|eval_jaxpr|pjit|jit)$"
 )
 # Ops through which a backward value is one of a later matrix product's
 # operands (a cotangent flowing on through the network).
@@ -131,6 +135,7 @@ class Module:
       self.instrs[(comp, ins.name)] = ins
       self.order.append(ins)
       for o in ins.operands:
+        self._element(comp, o)
         self.users[(comp, o)].append(ins)
       if ins.root:
         self.roots[comp] = ins
@@ -139,6 +144,24 @@ class Module:
         self.params[comp][int(number) if number.isdigit() else 0] = ins
       for role, callee in _callees(ins):
         self.callers[callee].append((ins, role))
+
+  def _element(self, comp: str, ref: str) -> None:
+    """A ``get-tuple-element`` for a reference ``t#i`` (tuple ``t``'s ``i``).
+
+    XLA since jax 0.12 prints an element's use as ``%t#i`` with no
+    instruction of its own; one is added here, so that a value is followed
+    element by element through tuples as before.
+    """
+    if "#" not in ref or (comp, ref) in self.instrs:
+      return
+    base, index = ref.rsplit("#", 1)
+    self._element(comp, base)
+    attrs = f"index={index}"
+    gte = Instr(
+      comp, ref, "", "get-tuple-element", (base,), "", attrs, "", False
+    )
+    self.instrs[(comp, ref)] = gte
+    self.users[(comp, base)].append(gte)
 
   def producer(self, ins: Instr, operand: str) -> Optional[Instr]:
     """The instruction named ``operand`` in ``ins``'s computation."""
@@ -315,8 +338,10 @@ def source(op_name: str) -> str:
   reduce_sum`` is ``ResNet/layer2_0/conv``; ``transpose(jvp(MLP))/hidden/
   dot_general`` is ``MLP/hidden``: a transform's wrapper is dropped, what
   it wraps kept unless it is a jitted function's name (``jit(...)``), and
-  control-flow parts (``cond``, ``branch_0_fun``, ``while``, ``body``) and
-  the trailing primitive go.
+  jax's own parts go: control flow (``cond``, ``branch_0_fun``, ``while``,
+  ``body``), a higher-order primitive's name (``closed_call``, which jax
+  0.12 calls ``eval_jaxpr``; ``remat2``, ``custom_vjp_call``) and the
+  trailing primitive.
   """
   parts = split_name(op_name)[:-1]
   kept = []
@@ -329,7 +354,38 @@ def source(op_name: str) -> str:
       m = _WRAPPED.match(part)
     if not part or (wrappers and wrappers[-1] in ("jit", "pjit")):
       continue
-    if _STRUCTURE.match(part) or "->" in part:  # An einsum's spec.
-      continue
+    if _STRUCTURE.match(part) or part in _jax_parts() or "->" in part:
+      continue  # ("->": an einsum's spec.)
     kept.append(part)
   return "/".join(kept)
+
+
+@functools.cache
+def _jax_parts() -> frozenset:
+  """The names of the running jax's higher-order primitives.
+
+  jax puts a call primitive's name in the name stack of the ops it calls
+  (``closed_call``, ``eval_jaxpr`` from jax 0.12): a part of jax, never of
+  the model.
+  """
+  try:
+    from jax.extend.core import primitives  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover - jax moved it.
+    return frozenset()
+  names = (
+    "call_p",
+    "closed_call_p",
+    "core_call_p",
+    "jit_p",
+    "pjit_p",
+    "remat_p",
+    "checkpoint_p",
+    "custom_jvp_call_p",
+    "custom_vjp_call_p",
+    "shard_map_p",
+    "while_p",
+    "cond_p",
+    "scan_p",
+  )
+  prims = (getattr(primitives, n, None) for n in names)
+  return frozenset(p.name for p in prims if hasattr(p, "name"))

@@ -258,8 +258,9 @@ def reduction_report(fn: Callable, *args: Any, **kwargs: Any):
   ``source`` is the model's path in the op name jax gave the collective
   (or, for one ``shard_map`` lowers bare, what it sends): Flax modules'
   and ``jax.named_scope`` names, with the transforms (``jit(step)``,
-  ``transpose(jvp(...))``), control flow (``cond/branch_0_fun``) and the
-  primitive left out. ``kind`` is read from the op name and from where the
+  ``transpose(jvp(...))``), control flow (``cond/branch_0_fun``), jax's
+  call primitives (``closed_call``, ``eval_jaxpr``) and the primitive left
+  out. ``kind`` is read from the op name and from where the
   collective's value goes:
 
   * ``"forward sum"``: a sum outside the backward pass: a
