@@ -27,6 +27,7 @@ and its kin), bitcasts and callbacks run at their traced dtypes.
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src.autocast import _jaxpr_custom as jc
 from jaxmp._src.autocast import _jaxpr_interp as ji
 from jaxmp._src.autocast import fp8 as _fp8
 from jaxmp._src.autocast import report
@@ -285,7 +286,7 @@ class Interpreter:
     elif k == "shard_map":
       outs = ji.run_shard_map(eqn, invals, self._body(inweak, ins))
     elif k == "custom_jvp":
-      outs = ji.run_custom_jvp(eqn, invals, self._body(inweak, ins), list)
+      outs = jc.run_custom_jvp(eqn, invals, self._body(inweak, ins), list)
     elif k == "custom_vjp":
       outs = self._custom_vjp(eqn, invals, inweak, ins)
     else:
@@ -346,7 +347,7 @@ class Interpreter:
           ).out_avals
         ]
       )
-    return ji.run_custom_vjp(
+    return jc.run_custom_vjp(
       eqn,
       args,
       self._body(inweak, ins),

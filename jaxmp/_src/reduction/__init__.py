@@ -1,10 +1,8 @@
 """Where a step's gradients are summed across devices, and in which dtype.
 
-* ``wire``: the three ``grad_reduce`` modes, the half-wire sum and
-  ``pmean_grads`` for ``shard_map`` users.
-* ``report``: ``reduction_report``, the collectives of a jitted function as
-  XLA partitioned them.
+* ``wire``: the ``grad_reduce`` modes, the half-wire sum, ``pmean_grads``.
+* ``report``: ``reduction_report``: a jitted function's collectives.
 
 The products whose weight cotangents leave them in fp32 are autocast's
-(``jaxmp._src.autocast.products``): they rewrite jaxprs.
+(``autocast/products.py``): they rewrite jaxprs.
 """
