@@ -1,7 +1,8 @@
 """The state pytrees: `MixedPrecisionState`, `AccumulationState`.
 
 What a checkpoint of a jaxmp optimizer holds: these NamedTuples' fields,
-in order, and the leaves of the `state` modules' buffers in them. Beside
+in order, with the buffers of `master_weights`, `state_codec` and
+`rounding_figures` as their leaves. Beside
 them, what any reader of a state needs: `check_inner_state` (the wrappers
 that must not sit inside one), `was_updated` (a state from before an
 ``update``) and `full_view` (the fp32 values it keeps of the params).
