@@ -156,14 +156,20 @@ def test_concern_folders_import_in_one_direction():
 
 
 def _bullets(package_dir: str) -> list[tuple[str, str]]:
-  """``[(name, line)]`` of the ``* ``name``: ...`` lines of a docstring."""
+  """``[(name, line)]`` of the ``* ``name``: ...`` lines of a docstring.
+
+  A bullet is one line: the line after it is another bullet or blank.
+  """
   with open(os.path.join(package_dir, "__init__.py")) as f:
     doc = ast.get_docstring(ast.parse(f.read())) or ""
-  return [
-    (m.group(1), line)
-    for line in doc.splitlines()
-    if (m := re.match(r"\* ``(\w+/?)``: ", line))
-  ]
+  lines = doc.splitlines() + [""]
+  out = []
+  for line, after in zip(lines, lines[1:]):
+    m = re.match(r"\* ``(\w+/?)``: ", line)
+    if m:
+      assert after == "" or after.startswith("* "), (package_dir, after)
+      out.append((m.group(1), line))
+  return out
 
 
 def floors() -> dict[str, int]:
