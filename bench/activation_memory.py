@@ -38,6 +38,9 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxmp.models import resnet18  # pylint: disable=g-import-not-at-top
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 BATCH = 128
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
@@ -172,6 +175,7 @@ def step_residual_bytes(model: nn.Module) -> tuple[int, int]:
 
 
 def main() -> None:
+  print(_common.date_line("activation_memory"), flush=True)
   f16, bf16, f32 = jnp.float16, jnp.bfloat16, jnp.float32
   variants = {
     "plain flax fp32 (reference)": PlainResNet18(dtype=f32),

@@ -56,6 +56,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import activation_memory  # pylint: disable=g-import-not-at-top,wrong-import-position
 import step_overhead  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 FILTERS = int(os.environ.get("BENCH_FILTERS", "16"))
 BATCH = int(os.environ.get("BENCH_BATCH", "32"))
 REPS = int(os.environ.get("BENCH_REPS", "10"))
@@ -87,24 +90,6 @@ def variants(filters: int) -> dict:
   }
 
 
-def cpu_name() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      info = f.read()
-  except OSError:
-    return "unknown CPU"
-  name = next(
-    (
-      line.split(":", 1)[1].strip()
-      for line in info.splitlines()
-      if line.startswith("model name")
-    ),
-    "unknown CPU",
-  )
-  isa = "AVX-512" if "avx512f" in info else "AVX2" if "avx2" in info else ""
-  return f"{name} ({isa})" if isa else name
-
-
 def ratio_line(name: str, values: dict, unit: str, fmt: str) -> str:
   a, h = values["autocast"], values["hand-cast"]
   return (
@@ -127,8 +112,9 @@ def residual_bytes() -> dict:
 
 
 def main() -> None:
+  print(_common.date_line("autocast"), flush=True)
   print(
-    f"jax {jax.__version__}, {os.cpu_count()} cpus, {cpu_name()}; "
+    f"jax {jax.__version__}, {os.cpu_count()} cpus, {_common.cpu_name(isa=True)}; "
     f"ResNet18 CIFAR (cpu_convs={CPU_CONVS}); compiled figures at {FILTERS} "
     f"filters, batch {BATCH}, {REPS} interleaved reps"
   )

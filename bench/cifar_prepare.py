@@ -31,6 +31,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 from cifar_train import cifar  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 PREPARE = """
@@ -110,6 +112,7 @@ def main():
   parser.add_argument("--test", type=int, default=10_000)
   parser.add_argument("--compare_with_tf", action="store_true")
   args = parser.parse_args()
+  print(_common.date_line("cifar_prepare"), flush=True)
 
   tmp = tempfile.mkdtemp(prefix="cifar-prepare-")
   data_dir = os.path.join(tmp, "tfds")

@@ -101,7 +101,6 @@ import functools
 import os
 import statistics
 import sys
-import time
 
 import jax
 from jax import lax
@@ -112,6 +111,9 @@ import torch
 
 import jaxmp
 from jaxmp import nn as jaxmp_nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 REPS = int(os.environ.get("BENCH_REPS", "5"))
 BATCH = int(os.environ.get("BENCH_BATCH", "128"))
@@ -186,19 +188,11 @@ def _count(name: str) -> int:
 
 def _timed(pairs: dict, reps: int) -> dict:
   """{name: (jax_fn, torch_fn)} -> {name: (jax_s, torch_s)}, interleaved."""
-  for fj, ft in pairs.values():
-    fj(), ft()
-  times = {k: ([], []) for k in pairs}
-  for r in range(reps):
-    for k, (fj, ft) in pairs.items():
-      order = ((0, fj), (1, ft)) if r % 2 == 0 else ((1, ft), (0, fj))
-      for i, fn in order:
-        t = time.perf_counter()
-        fn()
-        times[k][i].append(time.perf_counter() - t)
+  fns = {(k, i): fn for k, pair in pairs.items() for i, fn in enumerate(pair)}
+  times = _common.interleaved(fns, reps, warmup=1)
   return {
-    k: (statistics.median(a), statistics.median(b))
-    for k, (a, b) in times.items()
+    k: (statistics.median(times[k, 0]), statistics.median(times[k, 1]))
+    for k in pairs
   }
 
 
@@ -349,12 +343,8 @@ def update_pairs() -> dict:
 
 def main():
   torch.set_num_threads(os.cpu_count())
-  cpu = "unknown CPU"
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next(l.split(":", 1)[1].strip() for l in f if "model name" in l)
-  except (OSError, StopIteration):
-    pass
+  print(_common.date_line("cpu_ops"), flush=True)
+  cpu = _common.cpu_name()
   print(
     f"jax {jax.__version__}, torch {torch.__version__}, {os.cpu_count()} "
     f"cpus, {cpu}; batch {BATCH}, fp32, {REPS} interleaved reps, median; "

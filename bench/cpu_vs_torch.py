@@ -26,7 +26,7 @@ AMD EPYC with AVX-512, 2 cores, 2026-12-03; per op: ``bench/cpu_ops.py``):
 * **YNNPACK's convolutions.** jaxlib 0.10 hands every CPU convolution to
   YNNPACK by default, about 2x slower here than XLA's own (Eigen)
   convolution for the forward, the input gradient and the kernel gradient
-  alike (``jaxmp/_src/compiler.py``). ``jaxmp.cpu_compiler_options()``
+  alike (``jaxmp/_src/nn/compiler.py``). ``jaxmp.cpu_compiler_options()``
   keeps YNNPACK for dots and reductions only. CIFAR-stem step: 1.83-2.12x
   torch without the options, 1.11-1.46x with them (rows below).
 * **Kernel gradients.** With XLA's convolutions back, XLA's kernel gradient
@@ -76,7 +76,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _YNN_CONV = (
   "--xla_cpu_experimental_ynn_fusion_type="
@@ -202,17 +204,7 @@ def worker(opts: dict) -> dict:
         sgd.step()
 
     fns = {"jax": jax_fn, "torch": torch_fn}
-    for _ in range(opts.get("warmup", 2)):
-      for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    order = list(fns)
-    for _ in range(reps):
-      for k in order:
-        t = time.perf_counter()
-        fns[k]()
-        times[k].append(time.perf_counter() - t)
-      order.reverse()
+    times = _common.interleaved(fns, reps, warmup=opts.get("warmup", 2))
   ratios = [a / b for a, b in zip(times["jax"], times["torch"])]
   return {
     "jax_ms": statistics.median(times["jax"]) * 1e3,
@@ -266,6 +258,7 @@ def run_row(flags: str, opts: dict) -> dict:
 
 
 def main():
+  print(_common.date_line("cpu_vs_torch"), flush=True)
   import torch  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
 

@@ -42,7 +42,9 @@ import jaxmp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_overhead  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jaxmp.models import resnet18
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FILTERS = int(os.environ.get("BENCH_FILTERS", "8"))
 BATCH = int(os.environ.get("BENCH_BATCH", "16"))
@@ -50,15 +52,10 @@ REPS = int(os.environ.get("BENCH_REPS", "40"))
 
 
 def main():
-  model = resnet18(
-    num_classes=10,
-    num_filters=FILTERS,
-    dtype=jnp.float16,
-    param_dtype=jnp.float16,
-  )
+  print(_common.date_line("diagnostics_overhead"), flush=True)
   rng = np.random.default_rng(0)
-  images, labels, variables = step_overhead.random_batch_and_variables(
-    model, BATCH, jnp.float16, rng
+  model, images, labels, variables = step_overhead.half_resnet(
+    FILTERS, BATCH, jnp.float16, rng
   )
   inner = optax.chain(
     optax.add_decayed_weights(5e-4), optax.sgd(0.1, momentum=0.9)

@@ -71,6 +71,9 @@ from configs import default  # noqa: E402
 from configs import seed as seed_config  # noqa: E402
 from jaxmp import models  # noqa: E402
 
+sys.path.insert(0, HERE)
+import _common  # noqa: E402
+
 # A control, not a policy: O0 (fp32 throughout) started from the seed's initial
 # weights rounded to float16 and back. The only half precision in it is that
 # one rounding of the start (at most 2**-11 of each value, what O2's first
@@ -326,6 +329,7 @@ def main(argv=None) -> int:
   if not os.path.isdir(os.path.join(args.data_dir, "train")):
     print(f"error: {args.data_dir!r} has no train/ folder", file=sys.stderr)
     return 2
+  print(_common.date_line("fidelity"), flush=True)
   root = args.workdir or tempfile.mkdtemp(prefix="fidelity-")
   # Decoded once; every run trains on the same arrays.
   data = loop.load_data(settings.resolve(job_config(args, policies[0], 0)))

@@ -38,6 +38,9 @@ sys.path.insert(
 )
 import byte_lm_autocast as lm  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 
 def _block(x):
   return jax.tree.map(lambda a: a.block_until_ready(), x)
@@ -88,6 +91,7 @@ def main(argv=None):
   parser.add_argument("--length", type=int, default=512)
   parser.add_argument("--steps", type=int, default=10)
   args = parser.parse_args(argv)
+  print(_common.date_line("fp8"), flush=True)
   dev = jax.devices()[0]
   print(f"device: {dev.platform} {getattr(dev, 'device_kind', '')}")
   if dev.platform == "cpu":

@@ -77,6 +77,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxmp  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jaxmp.models import get_model  # pylint: disable=g-import-not-at-top
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 try:
   import torch  # pylint: disable=g-import-not-at-top
@@ -416,6 +417,7 @@ def main():
     f"ResNet18s with {filters} filters"
     f"{', one block [SMOKE]' if smoke else ''}"
   )
+  print(_common.date_line("gpu_bench"), flush=True)
   print(header, flush=True)
 
   for e in entries:

@@ -32,6 +32,7 @@ data parallelism.
 """
 
 import os
+import sys
 
 _COUNT = "--xla_force_host_platform_device_count"
 if _COUNT not in os.environ.get("XLA_FLAGS", ""):
@@ -39,9 +40,7 @@ if _COUNT not in os.environ.get("XLA_FLAGS", ""):
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse
-import datetime
 import functools
-import platform
 import runpy
 import statistics
 import time
@@ -57,19 +56,11 @@ from jax.sharding import PartitionSpec as P
 import jaxmp
 from jaxmp import models
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 MODES = ("fp32", "half_wire", "native")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def cpu_name() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown CPU"
 
 
 def make_models(smoke: bool):
@@ -279,11 +270,7 @@ def main():
   parser.add_argument("--smoke", action="store_true", help="tiny models")
   parser.add_argument("--reps", type=int, default=5)
   args = parser.parse_args()
-  print(
-    f"grad_reduce: {cpu_name()}, {os.cpu_count()} cores, "
-    f"{len(jax.devices())} devices, jax {jax.__version__}, "
-    f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-  )
+  print(f"{_common.date_line('grad_reduce')}, {len(jax.devices())} devices")
   print(
     "| model | mesh | grad_reduce | bytes sent / step / device | of it half"
     " sums | step time vs native | ring error vs fp64 | overflowed |"

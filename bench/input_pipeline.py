@@ -39,6 +39,9 @@ from cifar_train import data_sources  # pylint: disable=g-import-not-at-top,wron
 from cifar_train import device_data  # pylint: disable=g-import-not-at-top,wrong-import-position
 from cifar_train import host_stream  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
 
@@ -68,6 +71,7 @@ def main():
   parser.add_argument("--batch", type=int, default=128)
   parser.add_argument("--steps", type=int, default=390)
   args = parser.parse_args()
+  print(_common.date_line("input_pipeline"), flush=True)
 
   rng = np.random.default_rng(0)
   images = rng.integers(0, 256, (args.num_images, 32, 32, 3), dtype=np.uint8)

@@ -44,7 +44,6 @@ Environment: ``BENCH_PARTS`` (default ``bytes,time,accuracy``),
 """
 
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -61,6 +60,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import step_overhead  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 MODES = ("fp32", "kahan", "stochastic", "none")
 PARTS = os.environ.get("BENCH_PARTS", "bytes,time,accuracy").split(",")
@@ -119,15 +121,9 @@ def bytes_per_param() -> dict:
 
 def step_times() -> None:
   """Update-only and whole-step medians per mode, relative to fp32."""
-  model = resnet18(
-    num_classes=10,
-    num_filters=FILTERS,
-    dtype=jnp.bfloat16,
-    param_dtype=jnp.bfloat16,
-  )
   rng = np.random.default_rng(0)
-  images, labels, variables = step_overhead.random_batch_and_variables(
-    model, BATCH, jnp.bfloat16, rng
+  model, images, labels, variables = step_overhead.half_resnet(
+    FILTERS, BATCH, jnp.bfloat16, rng
   )
   grads = jax.tree.map(
     lambda p: jnp.asarray(1e-3 * rng.standard_normal(p.shape), p.dtype),
@@ -242,26 +238,9 @@ def accuracy() -> dict:
   return out
 
 
-def _cpu() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      info = f.read()
-  except OSError:
-    return platform.machine()
-  name = next(
-    (
-      l.split(":", 1)[1].strip() for l in info.splitlines() if "model name" in l
-    ),
-    platform.machine(),
-  )
-  return name + (" with AVX-512" if "avx512f" in info else " (no AVX-512)")
-
-
 def main():
-  print(
-    f"jax {jax.__version__} on {jax.devices()[0].platform}, {_cpu()}, "
-    f"{os.cpu_count()} cpus"
-  )
+  print(_common.date_line("master_modes"), flush=True)
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
   sizes = bytes_per_param() if "bytes" in PARTS else None
   if "time" in PARTS:
     step_times()

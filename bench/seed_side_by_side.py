@@ -41,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 from _torch_resnet import torchvision_resnet18  # pylint: disable=g-import-not-at-top,wrong-import-position
 from cifar_train import settings as settings_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from cifar_train import steps  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -134,6 +135,7 @@ def main():
   parser.add_argument("--filters", type=int, default=64)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
+  print(_common.date_line("seed_side_by_side"), flush=True)
 
   torch.manual_seed(args.seed)
   net = torchvision_resnet18(NUM_CLASSES)

@@ -34,7 +34,6 @@ if _COUNT not in os.environ.get("XLA_FLAGS", ""):
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +46,9 @@ import numpy as np
 import optax
 
 import jaxmp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def make_params(width: int, depth: int) -> dict[str, Any]:
@@ -189,17 +191,6 @@ def _cell(row: dict) -> str:
   return f"{row['most'] / 2**20:.2f} MB ({row['most'] / row['whole']:.3f})"
 
 
-def _cpu() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown CPU"
-
-
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--width", type=int, default=256)
@@ -212,6 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     "--devices", default="1,2,4,8", help="the fsdp mesh sizes (ascending)"
   )
   args = parser.parse_args(argv)
+  print(_common.date_line("sharded_memory"), flush=True)
   if args.smoke:
     args.width, args.depth, args.reps = 32, 1, 2
   counts = tuple(int(n) for n in args.devices.split(","))
@@ -228,7 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
   num_params = sum(x.size for x in jax.tree.leaves(params))
   print(
     f"{num_params:,} bf16 params (width {args.width}, depth {args.depth}),"
-    f" fsdp over n CPU devices; {_cpu()}, "
+    f" fsdp over n CPU devices; {_common.cpu_name()}, "
     f"{datetime.date.today().isoformat()}, jax {jax.__version__}"
   )
   print("Optimizer state on the fullest device (share of the whole state):")

@@ -71,7 +71,6 @@ Environment: ``BENCH_PARTS`` (default ``bytes,quality,time``),
 """
 
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -82,6 +81,9 @@ import numpy as np
 import optax
 
 import jaxmp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 MASTERS = ("fp32", "kahan", "stochastic", "remainder")
 STATES = ("fp32", "bf16", "int8")
@@ -541,16 +543,8 @@ def time_table(shrink, reps):
 
 def main():
   parts = os.environ.get("BENCH_PARTS", "bytes,quality,time").split(",")
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          cpu = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
-  print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {cpu}\n")
+  print(_common.date_line("state_bytes"), flush=True)
+  print(f"jax {jax.__version__}, {jax.devices()[0].platform}\n")
   out = bytes_table() if "bytes" in parts else None
   seeds = [int(s) for s in os.environ.get("BENCH_SEEDS", "0,1,2").split(",")]
   if "quality" in parts:

@@ -36,8 +36,8 @@ The last line is ``step_time_ratio: X`` (jaxmp / optax; goal <= 1.03).
 """
 
 import os
+import sys
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,9 @@ import optax
 
 import jaxmp
 from jaxmp.models import resnet18
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FULL = os.environ.get("BENCH_FULL", "0") == "1"
 FILTERS = int(os.environ.get("BENCH_FILTERS", "64" if FULL else "16"))
@@ -104,24 +107,28 @@ def time_interleaved(cases: dict, images, labels, reps: int) -> dict:
   in ``cases`` are advanced in place. Returns ``{name: [seconds, ...]}``.
   """
 
-  def run(name):
-    step, state = cases[name]
-    t = time.perf_counter()
-    state, loss = step(state, images, labels)
-    jax.block_until_ready((state, loss))
-    cases[name][1] = state
-    return time.perf_counter() - t
+  def runner(name):
+    def run():
+      step, state = cases[name]
+      state, loss = step(state, images, labels)
+      jax.block_until_ready((state, loss))
+      cases[name][1] = state
 
-  for _ in range(2):  # Warm-up: compile, touch memory.
-    for name in cases:
-      run(name)
-  times = {name: [] for name in cases}
-  order = list(cases)
-  for _ in range(reps):
-    for name in order:
-      times[name].append(run(name))
-    order.reverse()
-  return times
+    return run
+
+  return _common.interleaved({name: runner(name) for name in cases}, reps)
+
+
+def half_resnet(filters: int, batch: int, dtype, rng):
+  """A CIFAR ResNet18 in ``dtype`` (params too), a random batch, variables.
+
+  Returns ``(model, images, labels, variables)``
+  (`random_batch_and_variables`).
+  """
+  model = resnet18(
+    num_classes=10, num_filters=filters, dtype=dtype, param_dtype=dtype
+  )
+  return (model, *random_batch_and_variables(model, batch, dtype, rng))
 
 
 def random_batch_and_variables(model, batch: int, dtype, rng):
@@ -139,6 +146,7 @@ def random_batch_and_variables(model, batch: int, dtype, rng):
 
 
 def main():
+  print(_common.date_line("step_overhead"), flush=True)
   model = resnet18(num_classes=10, num_filters=FILTERS)
   rng = np.random.default_rng(0)
   images, labels, variables = random_batch_and_variables(

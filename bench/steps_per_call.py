@@ -40,6 +40,9 @@ from cifar_train import loop  # noqa: E402
 from cifar_train import steps  # noqa: E402
 from configs import seed  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 
 def random_data(examples: int, seed_: int = 0) -> data_sources.Dataset:
   """Random uint8 CIFAR-shaped images and labels of 10 classes."""
@@ -86,6 +89,7 @@ def main(argv=None) -> int:
   parser.add_argument("--filters", type=int, default=0, help="default 64")
   parser.add_argument("--batch", type=int, default=128)
   args = parser.parse_args(argv)
+  print(_common.date_line("steps_per_call"), flush=True)
   args.epochs = args.epochs or 3
   args.examples = args.examples or (4096 if args.smoke else 25_600)
   args.filters = args.filters or (8 if args.smoke else 64)

@@ -39,6 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from cifar_train import cifar  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 MARK_JAX = "First step done"
 MARK_TORCH = "FIRST_STEP_DONE"
 TIMEOUT_S = 600
@@ -95,6 +98,7 @@ def time_until(cmd: list[str], mark: str, env: dict) -> float:
 
 def main() -> None:
   """Times both configs cold and warm, and the torch seed script."""
+  print(_common.date_line("time_to_first_step"), flush=True)
   tmp = tempfile.mkdtemp(prefix="ttfs-")
   env = {
     k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"

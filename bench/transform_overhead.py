@@ -72,6 +72,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _shapes  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jaxmp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 REPS = int(os.environ.get("BENCH_REPS", "15"))
 
 
@@ -147,6 +150,7 @@ def compare(unit, half):
 
 
 def main():
+  print(_common.date_line("transform_overhead"), flush=True)
   print(
     f"jax {jax.__version__} on {jax.devices()[0].platform}, "
     f"{_shapes.num_params(_shapes.resnet18_param_shapes()):,} params, "

@@ -131,7 +131,7 @@ def synthetic_config(
     num_train=num_train,
     num_test=num_test,
     data_seed=data_seed,
-    description="Procedural 10-class 32x32 images (see jaxmp/_src/synthetic.py).",
+    description="Procedural 10-class 32x32 images (see cifar_train/synthetic.py).",
   )
 
 

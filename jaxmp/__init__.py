@@ -6,24 +6,24 @@ Apex-style precision presets, and `autocast` (Apex O1 / torch.autocast
 per-op precision for any JAX function).
 """
 
-from jaxmp._src.transform.accumulation import AccumulationState
+from jaxmp._src.state.pytrees import AccumulationState
 from jaxmp._src.transform.accumulation import multi_steps
-from jaxmp._src.transform.accessors import check_health
-from jaxmp._src.transform.accessors import find_state
-from jaxmp._src.transform.accessors import (
+from jaxmp._src.inspect.health import check_health
+from jaxmp._src.inspect.accessors import find_state
+from jaxmp._src.inspect.accessors import (
   loss_scale as loss_scale,
 )  # Deprecated.
-from jaxmp._src.transform.accessors import loss_scaler
-from jaxmp._src.transform.accessors import LossScaleCollapseError
-from jaxmp._src.transform.accessors import master_params
-from jaxmp._src.transform.accessors import NonFiniteLossError
-from jaxmp._src.transform.accessors import overflow_report
-from jaxmp._src.transform.accessors import rollback_if_skipped
-from jaxmp._src.transform.accessors import rounding_report
-from jaxmp._src.transform.accessors import scale_loss
-from jaxmp._src.transform.accessors import SpikeStallError
-from jaxmp._src.transform.accessors import state_summary
-from jaxmp._src.transform.accessors import stats
+from jaxmp._src.inspect.accessors import loss_scaler
+from jaxmp._src.inspect.health import LossScaleCollapseError
+from jaxmp._src.inspect.accessors import master_params
+from jaxmp._src.inspect.health import NonFiniteLossError
+from jaxmp._src.inspect.reports import overflow_report
+from jaxmp._src.inspect.health import rollback_if_skipped
+from jaxmp._src.inspect.reports import rounding_report
+from jaxmp._src.inspect.accessors import scale_loss
+from jaxmp._src.inspect.health import SpikeStallError
+from jaxmp._src.inspect.accessors import state_summary
+from jaxmp._src.inspect.accessors import stats
 from jaxmp._src.autocast.regions import autocast
 from jaxmp._src.autocast.regions import no_autocast
 from jaxmp._src.autocast.report import AutocastReport
@@ -38,19 +38,19 @@ from jaxmp._src.reduction.report import reduction_report
 from jaxmp._src.reduction.report import ReductionReport
 from jaxmp._src.reduction.wire import pmean_grads
 from jaxmp._src.transform.mixed_precision import adjust_loss_scale
-from jaxmp._src.transform.mixed_precision import all_finite
+from jaxmp._src.scaling.finite import all_finite
 from jaxmp._src.transform.mixed_precision import LossScaleConfig
 from jaxmp._src.transform.mixed_precision import LossScaler
 from jaxmp._src.transform.mixed_precision import mixed_precision
-from jaxmp._src.transform.mixed_precision import MixedPrecisionState
+from jaxmp._src.state.pytrees import MixedPrecisionState
 from jaxmp._src.presets.policy import get_policy
 from jaxmp._src.presets.policy import get_preset
 from jaxmp._src.presets.policy import Preset
 from jaxmp._src.presets.policy import PRESETS
-from jaxmp._src.transform.rounding import stochastic_round
+from jaxmp._src.state.rounding import stochastic_round
 from jaxmp._src.scaling.spikes import SpikeSkip
-from jaxmp._src.transform.sharding import state_shardings
-from jaxmp._src.transform.state_codec import StateQuantization
+from jaxmp._src.state.sharding import state_shardings
+from jaxmp._src.state.state_codec import StateQuantization
 from jaxmp._src.scaling.unscaled import UnscaledGradientsWarning
 from jaxmp._src.transform.value_and_grad import value_and_grad
 

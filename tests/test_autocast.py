@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import jaxmp
+from jaxmp._src.autocast import _jaxpr_custom as jc
 from jaxmp._src.autocast import _jaxpr_interp as ji
 from jaxmp._src.autocast import rules as ac
 
@@ -1341,9 +1342,9 @@ def _identity_eval(jaxpr, args):
     elif k == "shard_map":
       outs = ji.run_shard_map(eqn, invals, body)
     elif k == "custom_jvp":
-      outs = ji.run_custom_jvp(eqn, invals, body, list)
+      outs = jc.run_custom_jvp(eqn, invals, body, list)
     elif k == "custom_vjp":
-      outs = ji.run_custom_vjp(eqn, invals, body, list)
+      outs = jc.run_custom_vjp(eqn, invals, body, list)
     else:
       outs = ji.bind(eqn, invals)
     return outs, [False] * len(outs)

@@ -133,7 +133,7 @@ def deprecated_renames():
   the `MixedPrecisionState` properties documented as "Deprecated: `new`".
   """
   import jaxmp  # pylint: disable=g-import-not-at-top
-  from jaxmp._src.transform import accessors  # pylint: disable=g-import-not-at-top
+  from jaxmp._src.inspect import accessors  # pylint: disable=g-import-not-at-top
 
   pairs = [
     (f"jaxmp.{old}", f"jaxmp.{new}")

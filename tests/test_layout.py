@@ -1,4 +1,4 @@
-"""The library's layout: no import circle, no file too long to read.
+"""The library's layout: floors, no import circle, rooms of a readable size.
 
 The import graph is read from the source (``ast``), not from ``sys.modules``:
 every ``import`` and ``from ... import`` statement counts, at module level or
@@ -8,11 +8,15 @@ one, it only hides it until the function runs).
 
 import ast
 import os
+import re
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MAX_LINES = 700
+SRC = os.path.join(ROOT, "jaxmp", "_src")
+# The longest file of each package; the library's folder share of its lines.
+MAX_LINES = {"jaxmp": 550, "cifar_train": 700}
+MAX_FOLDER_SHARE = 0.30
 
 
 def _modules(package: str, root: str = ROOT) -> dict[str, str]:
@@ -131,9 +135,7 @@ def test_the_graph_sees_lazy_relative_and_module_imports(tmp_path):
 def test_jaxmp_has_no_import_circle():
   graph = import_graph("jaxmp")
   # The graph is the library's: the transform and autocast are in it.
-  assert (
-    "jaxmp._src.transform.placement" in graph["jaxmp._src.transform.accessors"]
-  )
+  assert "jaxmp._src.inspect.placement" in graph["jaxmp._src.inspect.accessors"]
   assert find_cycle(graph) == [], " -> ".join(find_cycle(graph))
 
 
@@ -153,12 +155,109 @@ def test_concern_folders_import_in_one_direction():
   assert find_cycle(folders) == [], " -> ".join(find_cycle(folders))
 
 
+def _bullets(package_dir: str) -> list[tuple[str, str]]:
+  """``[(name, line)]`` of the ``* ``name``: ...`` lines of a docstring.
+
+  A bullet is one line: the line after it is another bullet or blank.
+  """
+  with open(os.path.join(package_dir, "__init__.py")) as f:
+    doc = ast.get_docstring(ast.parse(f.read())) or ""
+  lines = doc.splitlines() + [""]
+  out = []
+  for line, after in zip(lines, lines[1:]):
+    m = re.match(r"\* ``(\w+/?)``: ", line)
+    if m:
+      assert after == "" or after.startswith("* "), (package_dir, after)
+      out.append((m.group(1), line))
+  return out
+
+
+def floors() -> dict[str, int]:
+  """``{root module or folder: floor}``, from ``jaxmp/_src``'s docstring.
+
+  The root modules are floor 0; the folders follow in the docstring's order.
+  """
+  out, floor = {}, 0
+  for name, _ in _bullets(SRC):
+    if name.endswith("/"):
+      floor += 1
+    out[name.rstrip("/")] = floor
+  return out
+
+
+def _floor_of(module: str, table: dict[str, int]) -> int:
+  name = module.split(".")[2]  # jaxmp._src.<name>[...]
+  return table[name]
+
+
+def test_the_src_docstring_lists_every_root_module_and_folder_in_floors():
+  table = floors()
+  names = {
+    f[: -len(".py")] if f.endswith(".py") else f
+    for f in os.listdir(SRC)
+    if f != "__init__.py"
+    and (
+      f.endswith(".py") or os.path.isfile(os.path.join(SRC, f, "__init__.py"))
+    )
+  }
+  assert set(table) == names
+  # The root modules come first, on the ground floor.
+  assert {n for n, f in table.items() if f == 0} == {
+    n for n in names if os.path.isfile(os.path.join(SRC, n + ".py"))
+  }
+
+
+def test_no_import_runs_up_a_floor():
+  # jaxmp/_src's docstring orders the floors; a module imports only from its
+  # own floor or those below it.
+  table = floors()
+  graph = import_graph("jaxmp")
+  up = [
+    f"{module} -> {dep}"
+    for module, deps in graph.items()
+    if module.startswith("jaxmp._src.")
+    for dep in deps
+    if dep.startswith("jaxmp._src.")
+    and _floor_of(dep, table) > _floor_of(module, table)
+  ]
+  assert not up, up
+
+
+def test_each_folder_docstring_gives_each_file_one_line():
+  for folder in sorted(os.listdir(SRC)):
+    path = os.path.join(SRC, folder)
+    if not os.path.isfile(os.path.join(path, "__init__.py")):
+      continue
+    files = {
+      f[: -len(".py")]
+      for f in os.listdir(path)
+      if f.endswith(".py") and f != "__init__.py"
+    }
+    bullets = _bullets(path)
+    assert sorted(n for n, _ in bullets) == sorted(files), folder
+    assert all(len(line) <= 80 for _, line in bullets), folder
+
+
+def _lines(path: str) -> int:
+  with open(path) as f:
+    return sum(1 for _ in f)
+
+
+def test_no_folder_holds_over_30_percent_of_the_library():
+  total = sum(_lines(p) for p in _modules("jaxmp").values())
+  share = {}
+  for module, path in _modules("jaxmp").items():
+    if module.count(".") >= 2 and _folder(module) != "_src":
+      share[_folder(module)] = share.get(_folder(module), 0) + _lines(path)
+  big = {k: round(v / total, 3) for k, v in share.items()}
+  assert max(big.values()) <= MAX_FOLDER_SHARE, big
+
+
 @pytest.mark.parametrize("package", ["jaxmp", "cifar_train"])
-def test_no_file_is_over_700_lines(package):
+def test_no_file_is_too_long(package):
   long = {}
   for path in _modules(package).values():
-    with open(path) as f:
-      n = sum(1 for _ in f)
-    if n > MAX_LINES:
+    n = _lines(path)
+    if n > MAX_LINES[package]:
       long[os.path.relpath(path, ROOT)] = n
-  assert not long, f"over {MAX_LINES} lines: {long}"
+  assert not long, f"over {MAX_LINES[package]} lines: {long}"

@@ -227,7 +227,7 @@ def _assert_same_step(state, single, params, single_params, steps, kind):
 
 
 def _decoded(inner_state):
-  from jaxmp._src.transform import state_codec  # pylint: disable=g-import-not-at-top
+  from jaxmp._src.state import state_codec  # pylint: disable=g-import-not-at-top
 
   return state_codec.decode_state(inner_state)
 

@@ -23,7 +23,7 @@ import pytest
 from _helpers import backend_compiles
 
 import jaxmp
-from jaxmp._src.transform import state_codec
+from jaxmp._src.state import state_codec
 
 F8 = ml_dtypes.float8_e4m3fn
 BF16 = jnp.bfloat16

@@ -12,7 +12,7 @@ on an AMD EPYC with AVX2 (2026-12-02), so jaxmp computed it as one matrix
 product per kernel tap. The cause was not XLA's algorithm but the library it
 hands convolutions to: jaxlib 0.10 sends every CPU convolution to YNNPACK by
 default, and XLA's own (Eigen) convolution is about 2x faster on the 2-core
-machines here (AMD EPYC with AVX-512, 2026-12-03; ``jaxmp/_src/compiler.py``).
+machines here (AMD EPYC with AVX-512, 2026-12-03; ``jaxmp/_src/nn/compiler.py``).
 With ``jaxmp.cpu_compiler_options()`` XLA's kernel gradient beats the taps at
 every 3x3 shape of both ResNet18s, so ``jaxmp.nn.conv_general_dilated`` now
 keeps XLA's for kernels larger than 1x1.
@@ -36,7 +36,7 @@ Measured (AMD EPYC with AVX-512, 2 cores, 2026-12-03), ms::
 
 import os
 import statistics
-import time
+import sys
 
 import jax
 from jax import lax
@@ -46,6 +46,10 @@ import torch
 
 import jaxmp
 
+# bench/: the shared helpers.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 REPS = int(os.environ.get("BENCH_REPS", "5"))
 BATCH = int(os.environ.get("BENCH_BATCH", "128"))
 STAGES = ((32, 64), (16, 128), (8, 256), (4, 512))  # (size, channels)
@@ -54,14 +58,7 @@ _PAD = ((1, 1), (1, 1))
 
 
 def _timed(fns: dict, reps: int) -> dict:
-  for fn in fns.values():  # Warm-up: compile, touch memory.
-    fn()
-  times = {k: [] for k in fns}
-  for _ in range(reps):
-    for k, fn in fns.items():
-      t = time.perf_counter()
-      fn()
-      times[k].append(time.perf_counter() - t)
+  times = _common.interleaved(fns, reps, warmup=1)
   return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -30,8 +30,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jax._src import source_info_util as _si
-
+from jaxmp._src.autocast import _jaxpr_custom as jc
 from jaxmp._src.autocast import _jaxpr_interp as ji
 from jaxmp._src.autocast import block_recipe as _block
 from jaxmp._src.autocast import fp8 as _fp8
@@ -249,7 +248,7 @@ class Interpreter:
     )
     if ji.primitive_name(eqn) != "dot_general" or not rules.castable(out_dtype):
       return None  # Convolutions and ragged_dot run in dtype.
-    if recipe.keep and recipe.keeps(str(_si.current_name_stack())):
+    if recipe.keep and recipe.keeps(ji.name_stack()):
       return None
     wide = [
       jnp.dtype(x.dtype) == rules.F32 or id(x) in self._from_inputs
@@ -345,7 +344,7 @@ class Interpreter:
     elif k == "shard_map":
       outs = ji.run_shard_map(eqn, invals, self._body(inweak, ins))
     elif k == "custom_jvp":
-      outs = ji.run_custom_jvp(eqn, invals, self._body(inweak, ins), list)
+      outs = jc.run_custom_jvp(eqn, invals, self._body(inweak, ins), list)
     elif k == "custom_vjp":
       outs = self._custom_vjp(eqn, invals, inweak, ins)
     else:
@@ -409,7 +408,7 @@ class Interpreter:
           ).out_avals
         ]
       )
-    return ji.run_custom_vjp(
+    return jc.run_custom_vjp(
       eqn,
       args,
       self._body(inweak, ins),

@@ -1,8 +1,10 @@
 """Building blocks behind ``jaxmp.nn`` and ``jaxmp.models``.
 
-* ``conv``, ``pool``: convolution and max-pool with fast CPU gradients.
+* ``conv``: convolution with fast CPU gradients.
+* ``pool``: max-pool with fast CPU gradients.
 * ``fused_norm``: BatchNorm(+add)(+ReLU) that saves only its half input.
-* ``resnet``, ``torchvision``: the ResNet18s, PyTorch state dicts in and out.
+* ``resnet``: the Flax ResNet18s, CIFAR and torchvision stems.
+* ``torchvision``: PyTorch state dicts in and out (numpy only).
 * ``compiler``: XLA:CPU options for convolutions at matmul speed (no flax).
 
 flax is imported by ``fused_norm``, ``pool``, ``resnet`` and

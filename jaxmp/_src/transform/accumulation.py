@@ -22,29 +22,19 @@ half gradients:
   too, as updates between windows).
 """
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmp._src.transform import mixed_precision as mp
-from jaxmp._src.transform import placement
-from jaxmp._src.transform import sharding as sharding_lib
+from jaxmp._src.inspect import placement
+from jaxmp._src.scaling import finite as finite_lib
+from jaxmp._src.state import pytrees
+from jaxmp._src.state import sharding as sharding_lib
 
 
-class AccumulationState(NamedTuple):
-  """State of `jaxmp.multi_steps`.
-
-  Attributes:
-    multi_steps: the `optax.MultiStepsState` (its ``inner_opt_state`` holds
-      the `mixed_precision` state; the accessors find it there).
-    microbatch_finite: bool, whether the last microbatch's gradients were all
-      finite (the flag `jaxmp.rollback_if_skipped` reads).
-  """
-
-  multi_steps: optax.MultiStepsState
-  microbatch_finite: jax.Array
+AccumulationState = pytrees.AccumulationState
 
 
 def multi_steps(
@@ -117,7 +107,7 @@ def multi_steps(
 
   def update_fn(updates, state, params=None, **extra_args):
     ms = state.multi_steps
-    finite = mp.all_devices(mp.all_finite(updates), axis_name)
+    finite = finite_lib.all_devices(finite_lib.all_finite(updates), axis_name)
     if should_skip is None:
       skip, skip_state = jnp.zeros([], jnp.bool_), ms.skip_state
     else:
@@ -159,7 +149,7 @@ def multi_steps(
 
 def _check_inside(state: AccumulationState) -> None:
   """A `mixed_precision` inside must be directly inside (see `placement`)."""
-  is_mp = lambda x: isinstance(x, mp.MixedPrecisionState)
+  is_mp = lambda x: isinstance(x, pytrees.MixedPrecisionState)
   for x in jax.tree_util.tree_leaves(state, is_leaf=is_mp):
     if is_mp(x):
       placement.check_placement(state, x, AccumulationState)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src.transform import mixed_precision as mp
+from jaxmp._src.scaling import finite as finite_lib
 
 
 def calibrate_loss_scale(
@@ -94,7 +94,7 @@ def calibrate_loss_scale(
       return loss.astype(dtype) * scale.astype(dtype), loss
 
     grads, loss = jax.grad(scaled, has_aux=True)(params)
-    return mp.all_finite(grads), jnp.all(jnp.isfinite(loss))
+    return finite_lib.all_finite(grads), jnp.all(jnp.isfinite(loss))
 
   probe = jax.jit(probe)
   evaluations = 0

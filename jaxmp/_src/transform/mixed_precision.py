@@ -31,26 +31,27 @@ and ``consecutive_nonfinite_loss``).
 """
 
 import sys
-import warnings
-import weakref
-from typing import Any, NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp._src.scaling import diagnostics as diag
-from jaxmp._src import dtypes
 from jaxmp._src import nnx_support
+from jaxmp._src.inspect import placement
+from jaxmp._src.scaling import diagnostics as diag
+from jaxmp._src.scaling import finite as finite_lib
 from jaxmp._src.scaling import loss_scale as loss_scale_lib
-from jaxmp._src.transform import master_weights as masters_lib
-from jaxmp._src.transform import placement
-from jaxmp._src.transform import rounding_report as rounding_lib
 from jaxmp._src.scaling import spikes as spikes_lib
-from jaxmp._src.transform import sharding as sharding_lib
-from jaxmp._src.transform import state_codec
 from jaxmp._src.scaling import unscaled
+from jaxmp._src.state import checks
+from jaxmp._src.state import master_weights as masters_lib
+from jaxmp._src.state import modes as modes_lib
+from jaxmp._src.state import pytrees
+from jaxmp._src.state import rounding_figures as rounding_lib
+from jaxmp._src.state import sharding as sharding_lib
+from jaxmp._src.state import state_codec
 
 # Re-exported: the public names live here since the first release.
 LossScaler = loss_scale_lib.LossScaler
@@ -59,155 +60,8 @@ LossScaleConfig = loss_scale_lib.LossScaleConfig
 adjust_loss_scale = loss_scale_lib.adjust_loss_scale
 MASTER_WEIGHTS = masters_lib.MODES
 StateQuantization = state_codec.StateQuantization
-
-
-def _deprecated(old: str, new: str) -> None:
-  warnings.warn(
-    f"MixedPrecisionState.{old} is deprecated and will be removed in the "
-    f"next release; use .{new}",
-    DeprecationWarning,
-    stacklevel=3,
-  )
-
-
-class MixedPrecisionState(NamedTuple):
-  """State of `mixed_precision`.
-
-  Attributes:
-    inner_state: state of the wrapped optimizer.
-    master_params: fp32 copies of the half-precision params, ``None`` where a
-      param is fp32 already (it is its own master) or masters are disabled.
-    loss_scale: fp32 scalar; multiply the next loss by it.
-    growth_counter: int32, consecutive finite steps since the last growth
-      (jmp's ``counter``, GradScaler's ``growth_tracker``).
-    step_applied: bool, whether the last step was applied: its gradients
-      (and its loss, when ``update`` was given ``loss=``) were all finite,
-      and it was not dropped as a spike (``skip_spikes``). (Formerly
-      ``grads_finite``, a deprecated alias for one release.)
-    skipped_steps: int32, how many steps were skipped since `init` for a
-      non-finite value, gradients or loss; steps dropped as spikes are not
-      counted here but in ``spikes.spike_skips``.
-    consecutive_overflows: int32, steps skipped for non-finite gradients in
-      a row up to now; a step skipped for a non-finite loss leaves it
-      unchanged. (Formerly ``consecutive_skips``, a deprecated alias.)
-    config: static `LossScaleConfig` (structure, not a leaf).
-    nonfinite_loss_steps: int32, steps skipped since `init` because the loss
-      given to ``update`` was inf/NaN (``loss=``).
-    consecutive_nonfinite_loss: int32, such steps in a row up to now.
-    diagnostics: ``None``, or with ``diagnostics=True`` the last step's
-      per-leaf gradient statistics (see `jaxmp.overflow_report`).
-    compensation: with ``master_weights="kahan"``, for each half-precision
-      param the rounding error of its last update, in the param's dtype
-      (``param + compensation`` is the fp32 estimate); ``None`` elsewhere.
-    rounding_key: with ``master_weights="stochastic"``, the raw ``uint32[2]``
-      PRNG key of the next step's rounding; ``None`` otherwise.
-    spikes: with ``skip_spikes``, a ``SpikeState`` NamedTuple (the
-      windows of recent losses and gradient norms, and the spike counters);
-      ``None`` otherwise.
-    remainder: with ``master_weights="remainder"``, for each bfloat16 param
-      the low 16 bits of its fp32 master (int16); ``None`` elsewhere.
-    optimizer_state: static: the `jaxmp.StateQuantization` that encodes
-      ``inner_state``'s param-shaped leaves, ``None`` for fp32 state (no
-      leaf).
-    rounding: with ``rounding_every``, the per-leaf rounding figures of the
-      last measured step (see `jaxmp.rounding_report`); ``None`` otherwise.
-    master_modes: with per-leaf ``master_weights``, static: each param's
-      mode (see `jaxmp.state_summary`); ``None`` otherwise.
-  """
-
-  inner_state: optax.OptState
-  master_params: Any
-  loss_scale: jax.Array
-  growth_counter: jax.Array
-  step_applied: jax.Array
-  skipped_steps: jax.Array
-  consecutive_overflows: jax.Array
-  config: LossScaleConfig
-  nonfinite_loss_steps: Optional[jax.Array] = None
-  consecutive_nonfinite_loss: Optional[jax.Array] = None
-  diagnostics: Optional[diag.GradDiagnostics] = None
-  compensation: Any = None
-  rounding_key: Optional[jax.Array] = None
-  spikes: Optional[spikes_lib.SpikeState] = None
-  remainder: Any = None
-  optimizer_state: Optional[StateQuantization] = None
-  rounding: Optional[rounding_lib.RoundingFigures] = None
-  master_modes: Optional[masters_lib.LeafModeNames] = None
-
-  @property
-  def grads_finite(self) -> jax.Array:
-    """Deprecated: `step_applied` (it was never the gradient flag alone)."""
-    _deprecated("grads_finite", "step_applied")
-    return self.step_applied
-
-  @property
-  def consecutive_skips(self) -> jax.Array:
-    """Deprecated: `consecutive_overflows`."""
-    _deprecated("consecutive_skips", "consecutive_overflows")
-    return self.consecutive_overflows
-
-
-def all_finite(tree: Any) -> jax.Array:
-  """Returns a bool scalar: whether every element of every leaf is finite.
-
-  Exact on every platform. Half-precision leaves reduce ``isfinite`` masks.
-  fp32 and wider leaves reduce ``sum(x * 2**-64)``: NaN or inf anywhere makes
-  it non-finite, and finite inputs cannot overflow it (their scaled magnitudes
-  sum to at most ``size * 2**64``). A NaN-dropping ``max(abs(x))`` is not
-  used: XLA:CPU's vectorised max reduction loses NaNs.
-
-  On CPU the fp32 leaves take a cheaper path: XLA:CPU reads a plain
-  ``sum(x)`` in one vectorised pass but writes ``x * c`` to memory before
-  reducing it (about 1.7x slower over a ResNet18-sized tree). A plain sum is
-  never finite when an element is not, but finite elements can overflow it,
-  so when that fast test fails a `lax.cond` confirms with the exact one; the
-  exact pass runs only on steps that look like overflows. Elsewhere the
-  exact check fuses into one pass and a conditional would cost a host sync.
-
-  >>> import jax.numpy as jnp
-  >>> all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])})
-  Array(False, dtype=bool)
-  """
-  leaves = jax.tree_util.tree_leaves(tree)
-  half = [x for x in leaves if dtypes.is_half(x)]
-  full = [x for x in leaves if not dtypes.is_half(x)]
-  flags = [jnp.all(jnp.isfinite(x)) for x in half]
-  if full:
-    flags.append(
-      jax.lax.platform_dependent(
-        full, cpu=_full_finite_cpu, default=_full_finite_exact
-      )
-    )
-  if not flags:
-    return jnp.array(True)
-  return jnp.all(jnp.stack(flags))
-
-
-def _full_finite_exact(leaves) -> jax.Array:
-  total = sum(jnp.sum(x * jnp.asarray(2.0**-64, x.dtype)) for x in leaves)
-  return jnp.isfinite(total)
-
-
-def _full_finite_cpu(leaves) -> jax.Array:
-  fast = jnp.isfinite(sum(jnp.sum(x) for x in leaves))
-  # The true branch returns ``fast`` itself (True there) rather than a
-  # constant: under ``shard_map`` both branches then carry the operands'
-  # varying manual axes (vma), as ``check_vma=True`` requires.
-  return jax.lax.cond(
-    fast, lambda f, _: f, lambda _, xs: _full_finite_exact(xs), fast, leaves
-  )
-
-
-def all_devices(flag: jax.Array, axis_name: Optional[str]) -> jax.Array:
-  """``flag`` and-ed over the devices of ``axis_name`` (as is for ``None``)."""
-  if axis_name is None:
-    return flag
-  return jax.lax.pmin(flag.astype(jnp.int32), axis_name).astype(bool)
-
-
-def _contains(tree, kind) -> bool:
-  is_kind = lambda x: isinstance(x, kind)
-  return any(map(is_kind, jax.tree_util.tree_leaves(tree, is_leaf=is_kind)))
+# The state is defined with the other state pytrees (`state.pytrees`).
+MixedPrecisionState = pytrees.MixedPrecisionState
 
 
 def mixed_precision(
@@ -405,7 +259,7 @@ def mixed_precision(
       f"diagnostics must be a Python bool, got {diagnostics!r}; with "
       "optax.inject_hyperparams pass it in static_args"
     )
-  mode = masters_lib.get_mode(master_weights, rounding_key)
+  mode = modes_lib.get_mode(master_weights, rounding_key)
   rounding_every = rounding_lib.check_every(rounding_every)
   skip_spikes = spikes_lib.check_config(skip_spikes)
   codec = state_codec.get_codec(optimizer_state)
@@ -416,7 +270,7 @@ def mixed_precision(
     _check_params(params)
     buffers = mode.init(params)
     inner_state = inner.init(mode.view(params, buffers))
-    _check_inner_state(inner_state)
+    pytrees.check_inner_state(inner_state)
     inner_state = state_codec.encode_state(inner_state, params, codec)
     return MixedPrecisionState(
       inner_state=inner_state,
@@ -461,11 +315,11 @@ def mixed_precision(
     )
 
   def _update(grads, state, params, loss, extra_args):
-    _check_inner_state(state.inner_state)
+    pytrees.check_inner_state(state.inner_state)
     spikes_lib.check_state(skip_spikes, state.spikes)
-    sharding_lib.check_state(state, state.master_params, params, "state")
+    checks.check_state(state, state.master_params, params, "state")
     unscaled.warn_if_unscaled(state)
-    _mark_updated(state)
+    pytrees.mark_updated(state)
     scale = state.loss_scale
     grads_finite, loss_finite = _finite_flags(
       grads, loss, scale, config, axis_name
@@ -497,7 +351,7 @@ def mixed_precision(
       state.rounding_key,
       state.remainder,
     )
-    masters_lib.check_dtypes(mode, params, buffers)
+    checks.check_dtypes(mode, params, buffers)
     view = mode.view(params, buffers)
     # Encoded state: decoded, updated in fp32 and encoded in this one step.
     inner_updates, inner_state = inner.update(
@@ -553,35 +407,8 @@ def mixed_precision(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-# The ``step_applied`` arrays (or tracers) of the states ``update`` was
-# given, by id; weak, so an entry dies with its array. A state whose flag is
-# here is one from *before* an update: `jaxmp.rollback_if_skipped` refuses it.
-_UPDATED: "weakref.WeakValueDictionary[int, Any]" = (
-  weakref.WeakValueDictionary()
-)
-
-
-def _flag(state: MixedPrecisionState) -> Any:
-  leaves = jax.tree_util.tree_leaves(state.step_applied)  # NNX: a variable.
-  return leaves[0] if leaves else None
-
-
-def _mark_updated(state: MixedPrecisionState) -> None:
-  flag = _flag(state)
-  try:
-    _UPDATED[id(flag)] = flag
-  except TypeError:  # Not weak-referenceable (a NumPy scalar): unchecked.
-    pass
-
-
-def was_updated(state: MixedPrecisionState) -> bool:
-  """Whether ``state`` was given to an ``update`` (it is a pre-update state)."""
-  flag = _flag(state)
-  return flag is not None and _UPDATED.get(id(flag)) is flag
-
-
 def _check_params(params) -> None:
-  if _contains(params, optax.MaskedNode):
+  if pytrees.contains(params, optax.MaskedNode):
     raise ValueError(
       "mixed_precision inside optax.multi_transform or optax.masked sees "
       "only part of the params: the other groups' gradients are never "
@@ -597,25 +424,6 @@ def _check_params(params) -> None:
       )
 
 
-def _check_inner_state(inner_state) -> None:
-  """Rejects the transforms that must not sit inside ``mixed_precision``."""
-  if _contains(inner_state, MixedPrecisionState):
-    raise ValueError(
-      "jaxmp.mixed_precision inside another jaxmp.mixed_precision (was the "
-      "optimizer of jaxmp.initialize wrapped again?): the outer one unscales "
-      "the gradients, the inner one unscales them again by a scale no loss "
-      "was ever multiplied by, and the steps all but vanish. Use one:\n"
-      "  params, opt = jaxmp.initialize(params, optax.sgd(0.1), 'O2')\n"
-      "or\n  opt = jaxmp.mixed_precision(optax.sgd(0.1))"
-    )
-  if _contains(inner_state, optax.MultiStepsState):
-    raise ValueError(
-      "optax.MultiSteps inside mixed_precision would change the loss "
-      "scale and skip microbatches inside an accumulation window; use "
-      "jaxmp.multi_steps(jaxmp.mixed_precision(inner), k) instead"
-    )
-
-
 def _finite_flags(grads, loss, scale, config, axis_name):
   """``(grads_finite, loss_finite)``, the same on every device of the axis.
 
@@ -624,16 +432,16 @@ def _finite_flags(grads, loss, scale, config, axis_name):
   # With a scale >= 1 unscaling cannot overflow: check the raw gradients
   # and let XLA fuse the check into one read of them.
   if config.min_loss_scale >= 1:
-    grads_finite = all_finite(grads)
+    grads_finite = finite_lib.all_finite(grads)
   else:
-    grads_finite = all_finite(
+    grads_finite = finite_lib.all_finite(
       jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
     )
-  grads_finite = all_devices(grads_finite, axis_name)
+  grads_finite = finite_lib.all_devices(grads_finite, axis_name)
   if loss is None:
     return grads_finite, None
   loss_finite = jnp.all(jnp.isfinite(jnp.asarray(loss)))
-  return grads_finite, all_devices(loss_finite, axis_name)
+  return grads_finite, finite_lib.all_devices(loss_finite, axis_name)
 
 
 def _outer_updates(params, inner_updates, targets, applied):
@@ -681,18 +489,3 @@ def _next_counters(config, state, grads_finite, loss_finite):
     loss_steps = loss_steps + (~loss_finite).astype(jnp.int32)
     loss_run = jnp.where(loss_finite, 0, loss_run + 1).astype(jnp.int32)
   return scale, counter, overflows, loss_steps, loss_run
-
-
-def full_view(params, state: MixedPrecisionState):
-  """The fp32 view of ``params`` that the state keeps, leaf by leaf.
-
-  The masters, ``param + compensation`` (Kahan), the param joined with its
-  remainder, or the upcast param.
-  """
-  buffers = masters_lib.Buffers(
-    state.master_params,
-    state.compensation,
-    None,
-    getattr(state, "remainder", None),
-  )
-  return masters_lib.full_view(params, buffers)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxmp._src.transform import accessors
+from jaxmp._src.inspect import accessors
 from jaxmp._src import nnx_support
 from jaxmp._src.autocast import regions
 from jaxmp._src.reduction import wire

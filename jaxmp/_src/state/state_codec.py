@@ -60,8 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src.transform import eager
-from jaxmp._src.transform import rounding
+from jaxmp._src.state import eager
+from jaxmp._src.state import rounding
 
 KINDS = ("fp32", "bf16", "int8")
 _F8 = jnp.float8_e4m3fn

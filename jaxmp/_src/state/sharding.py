@@ -57,9 +57,9 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from jaxmp._src.transform import master_weights as masters_lib
+from jaxmp._src.state import master_weights as masters_lib
 from jaxmp._src import nnx_support
-from jaxmp._src.transform import state_codec
+from jaxmp._src.state import state_codec
 
 _is_empty = masters_lib.is_empty
 
@@ -451,114 +451,3 @@ def state_shardings(opt: Any, params: Any) -> Any:
     plain, params, lambda _, p: p.sharding, lambda _: replicated, encoded
   )
   return nnx_support.wrap_like(shardings, abstract)
-
-
-def _mesh_of(x) -> Any:
-  """The mesh ``x`` lives on: abstract under a trace, concrete outside."""
-  if _is_tracer(x):
-    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-  else:
-    sharding = getattr(x, "sharding", None)
-    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
-  if mesh is None or getattr(mesh, "empty", True):
-    return None
-  return mesh
-
-
-def _mesh_key(mesh, traced: bool):
-  if traced:
-    return tuple(zip(mesh.axis_names, mesh.axis_sizes))
-  return mesh
-
-
-def check_state(state: Any, masters: Any, params: Any, what: str) -> None:
-  """Trace-time checks of a state given to ``update`` with ``params``.
-
-  ``masters`` (a tree with the params' structure: `master_weights.Buffers`'
-  masters, ``None``/placeholders included) must match the params leaf by
-  leaf, as must ``state.remainder`` where there is one (``"remainder"``
-  masters), and every state leaf on a mesh (the codes and scales of an
-  encoded one included) must be on the params' mesh.
-
-  Raises:
-    ValueError: naming the first leaf that differs.
-  """
-  params, masters = nnx_support.unwrap(params), nnx_support.unwrap(masters)
-  _check_tree(masters, params, what, "master_params")
-  # "remainder" masters: the masters are placeholders, the int16
-  # remainders have the params' shapes.
-  remainder = nnx_support.unwrap(getattr(state, "remainder", None))
-  if remainder is not None:
-    _check_tree(remainder, params, what, "remainder")
-  _check_mesh(state, params, what)
-
-
-def _check_tree(masters: Any, params: Any, what: str, field: str) -> None:
-  """``masters`` (``what.field``) has the params' structure and shapes."""
-  p_leaves, p_def = jax.tree_util.tree_flatten(params, is_leaf=_is_empty)
-  m_leaves, m_def = jax.tree_util.tree_flatten(masters, is_leaf=_is_empty)
-  if p_def == m_def and all(
-    not (_is_array(m) and _is_array(p)) or tuple(m.shape) == tuple(p.shape)
-    for m, p in zip(m_leaves, p_leaves)
-  ):
-    return
-  # Something differs: find the first leaf that does, by path.
-  p_paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_empty)[0]
-  m_paths = jax.tree_util.tree_flatten_with_path(masters, is_leaf=_is_empty)[0]
-  p_keys = [jax.tree_util.keystr(k) for k, _ in p_paths]
-  m_keys = [jax.tree_util.keystr(k) for k, _ in m_paths]
-  if p_keys != m_keys:
-    extra = [k for k in m_keys if k not in set(p_keys)]
-    missing = [k for k in p_keys if k not in set(m_keys)]
-    detail = (
-      f"the state has {what}.{field}{extra[0]}, which the params lack"
-      if extra
-      else f"the params have params{missing[0]}, which the state lacks"
-      if missing
-      else "its leaves are in another order"
-    )
-    raise ValueError(
-      f"the optimizer state was built for another tree: {detail}. Build it "
-      "with opt.init(params) for these params"
-    )
-  for (path, m), (_, p) in zip(m_paths, p_paths):
-    if _is_array(m) and _is_array(p) and tuple(m.shape) != tuple(p.shape):
-      raise ValueError(
-        "the optimizer state was built for another tree: "
-        f"{what}.{field}{jax.tree_util.keystr(path)} has shape "
-        f"{tuple(m.shape)}, params{jax.tree_util.keystr(path)} has "
-        f"{tuple(p.shape)}. Build it with opt.init(params) for these params"
-      )
-  raise ValueError(  # Unreachable: the structures or a shape differ.
-    f"the optimizer state was built for another tree ({what}.{field} "
-    "differs from the params). Build it with opt.init(params)"
-  )
-
-
-def _check_mesh(state: Any, params: Any, what: str) -> None:
-  """Every state leaf on a mesh is on one of the params' meshes."""
-  # The params' meshes, as a trace sees them (names and sizes) or as they
-  # are outside one; leaves of the other kind (a closed-over constant) are
-  # not compared.
-  keys, p_mesh, traced = set(), None, None
-  for p in jax.tree_util.tree_leaves(params):
-    mesh = _mesh_of(p)
-    if mesh is not None and traced in (None, _is_tracer(p)):
-      traced = _is_tracer(p)
-      keys.add(_mesh_key(mesh, traced))
-      p_mesh = p_mesh or mesh
-  if not keys:
-    return
-  for path, x in jax.tree_util.tree_leaves_with_path(state):
-    mesh = _mesh_of(x)
-    if (
-      mesh is not None
-      and _is_tracer(x) == traced
-      and _mesh_key(mesh, traced) not in keys
-    ):
-      raise ValueError(
-        f"the optimizer state is on another mesh than the params: "
-        f"{what}{jax.tree_util.keystr(path)} is on {mesh}, the params on "
-        f"{p_mesh}. Build the state for these params (opt.init(params)) or "
-        "move it: jax.device_put(state, jaxmp.state_shardings(opt, params))"
-      )
