@@ -188,19 +188,14 @@ class Interpreter:
         if all(jnp.dtype(avals[i].dtype) == jnp.dtype(pet) for i in idx):
           updates["preferred_element_type"] = target
     two = name in rules.LOWER_PRECISION and len(idx) == 2 and not self.natural
-    if two and isinstance(self.fp8, _block.BlockRecipe):
-      out = self._block_product(eqn, invals, pet, updates, target)
-      if out is not None:
-        return out
-    elif two and self.fp8 is not None:
-      out = _fp8_product(
-        self.fp8,
-        eqn,
-        invals,
-        updates.get(
-          "preferred_element_type", pet if pet is not None else target
-        ),
+    if two and self.fp8 is not None:
+      out_dtype = updates.get(
+        "preferred_element_type", pet if pet is not None else target
       )
+      if isinstance(self.fp8, _block.BlockRecipe):
+        out = self._block_product(eqn, invals, out_dtype)
+      else:
+        out = _fp8_product(self.fp8, eqn, invals, out_dtype)
       if out is not None:
         return out
     if (
@@ -240,12 +235,9 @@ class Interpreter:
       return [rules.cast(out, target)]
     return ji.bind(eqn, args, **updates)
 
-  def _block_product(self, eqn, invals, pet, updates, target):
+  def _block_product(self, eqn, invals, out_dtype):
     """``eqn`` block-scaled (block_recipe.py), or None where it is not."""
     recipe = self.fp8
-    out_dtype = updates.get(
-      "preferred_element_type", pet if pet is not None else target
-    )
     if ji.primitive_name(eqn) != "dot_general" or not rules.castable(out_dtype):
       return None  # Convolutions and ragged_dot run in dtype.
     if recipe.keep and recipe.keeps(ji.name_stack()):
