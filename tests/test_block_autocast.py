@@ -8,6 +8,7 @@ Hadamard rotation there), then multiplied in float64. The quantizer itself
 is checked bit for bit against numpy in its own tests.
 """
 
+import dataclasses
 import functools
 import os
 import runpy
@@ -300,3 +301,28 @@ def test_block_scaled_mlp_example_runs(capsys):
   assert all(np.isfinite(v) for v in finals.values())
   assert finals["bf16"] != finals["nvfp4"]  # trained and evaluated in fp4
   assert "nvfp4: final loss" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(
+  not block_recipe.native_available(cpu=True),
+  reason="jax.nn.scaled_dot_general lowers on CPU from jax 0.11",
+)
+def test_native_mxfp8_products_equal_the_emulation():
+  """``native=True``: MXFP8 forward products through jax.nn's, same values.
+
+  The operands it receives are MXFP8 values already, which its quantizer
+  maps to themselves; the product (bf16) and both gradients equal the
+  emulation's bit for bit (jax >= 0.11 on CPU, CI's newest venv; the
+  backward products stay emulated).
+  """
+  x, w, c = _data()
+  got = {}
+  for native in (False, True):
+    recipe = dataclasses.replace(RECIPES["mxfp8"], native=native)
+    f = jaxmp.autocast(_loss, fp8=recipe)
+    step = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+    text = step.lower(x, w, c).as_text()
+    assert ("scaled_matmul" in text) == native  # jax.nn's, inlined
+    got[native] = step(x, w, c)
+  for a, b in zip(*map(jax.tree.leaves, (got[False], got[True]))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
