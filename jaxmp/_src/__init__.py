@@ -2,6 +2,7 @@
 
 The public names are in ``jaxmp``, ``jaxmp.nn`` and ``jaxmp.models``.
 
+* ``backend``: what the default backend's GPUs run natively (fp8, blocks).
 * ``dtypes``: the half dtypes, named once.
 * ``frames``: the user's source line, the first frame outside libraries.
 * ``nnx_support``: NNX variables unwrapped, aliased snapshots caught.

@@ -45,6 +45,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src import backend
 from jaxmp._src.autocast import block as _block
 
 _F32 = jnp.dtype(jnp.float32)
@@ -359,16 +360,9 @@ def native_available(cpu: bool = False) -> bool:
   """
   if not hasattr(jax.nn, "scaled_dot_general") or _jax_version() < (0, 11):
     return False
-  backend = jax.default_backend()
-  if backend == "cpu":
+  if jax.default_backend() == "cpu":
     return cpu
-  if backend in ("gpu", "cuda"):
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    try:
-      return cc is not None and float(cc) >= 10.0
-    except ValueError:  # pragma: no cover - a ROCm gfx name.
-      return False
-  return False
+  return backend.gpu_capability_at_least(10.0)
 
 
 def _forward_dot(prim, dimension_numbers, qa, qb, fmt_a, fmt_b, recipe):

@@ -31,6 +31,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src import backend
 from jaxmp._src import vma as vma_lib
 from jaxmp._src.autocast import block_recipe as _block
 
@@ -117,16 +118,9 @@ def fp8_convolutions(recipe: Fp8Recipe) -> bool:
   """Whether convolutions run in fp8 on the default backend."""
   if recipe.conv is not None:
     return bool(recipe.conv)
-  backend = jax.default_backend()
-  if backend == "cpu":
+  if jax.default_backend() == "cpu":
     return True
-  if backend in ("gpu", "cuda"):
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    try:
-      return cc is not None and float(cc) >= 9.0
-    except ValueError:  # pragma: no cover - a ROCm gfx name.
-      return False
-  return False
+  return backend.gpu_capability_at_least(9.0)
 
 
 def quantize(x, fmt, recipe: Fp8Recipe):
