@@ -59,12 +59,7 @@ def run_custom_jvp(
   orig = bind_params_of(eqn)
   fun0, jvp0 = orig["subfuns"]
   box = {}
-
-  def primal(*a):
-    outs = body(call_jaxpr, a)
-    target = out_dtypes_of([o.dtype for o in outs])
-    box["dtypes"] = target
-    return _casts(outs, target)
+  primal = _primal(body, call_jaxpr, out_dtypes_of, box)
 
   def jvp(*xs):
     n = len(xs) // 2
@@ -94,6 +89,21 @@ def run_custom_jvp(
     *args, subfuns=(_wrap(primal, fun0), _wrap(jvp, jvp0)), **rest
   )
   return list(out)
+
+
+def _primal(body, call_jaxpr, out_dtypes_of, box):
+  """The primal through ``body``, cast as ``out_dtypes_of`` says.
+
+  The dtypes it casts to are kept in ``box["dtypes"]`` for the rules.
+  """
+
+  def primal(*a):
+    outs = body(call_jaxpr, a)
+    target = out_dtypes_of([o.dtype for o in outs])
+    box["dtypes"] = target
+    return _casts(outs, target)
+
+  return primal
 
 
 def _nonzero(xs, zeros):
@@ -158,12 +168,7 @@ def run_custom_vjp(
   if ct_dtypes is None:
     ct_dtypes = [a.to_tangent_aval().dtype for a in call_jaxpr.out_avals]
   box = {}
-
-  def primal(*a):
-    outs = body(call_jaxpr, a)
-    target = out_dtypes_of([o.dtype for o in outs])
-    box["dtypes"] = target
-    return _casts(outs, target)
+  primal = _primal(body, call_jaxpr, out_dtypes_of, box)
 
   def fwd(*a):
     vals, nonzeros = a[::2], a[1::2]
