@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 
 from jaxmp._src import dtypes
 from jaxmp._src import nnx_support
+from jaxmp._src.state import sharding as sharding_lib
 from jaxmp._src.state.master_weights import Buffers
 from jaxmp._src.state.master_weights import is_empty
 from jaxmp._src.state.master_weights import Placeholder
@@ -24,14 +25,8 @@ from jaxmp._src.state.modes import Mode
 from jaxmp._src.state.modes import PerLeaf
 
 _is_empty = is_empty
-
-
-def _is_array(x: Any) -> bool:
-  return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _is_tracer(x: Any) -> bool:
-  return isinstance(x, jax.core.Tracer)
+_is_array = sharding_lib.is_array
+_is_tracer = sharding_lib.is_tracer
 
 
 def _mesh_of(x) -> Any:

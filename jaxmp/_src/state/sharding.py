@@ -73,7 +73,8 @@ def _is_unit(x: Any) -> bool:
   return _is_empty(x) or _is_encoded(x)
 
 
-def _is_array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
+  """Whether ``x`` is an array or an abstract one (shape and dtype)."""
   return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
@@ -123,7 +124,7 @@ def map_like_params(
         out.append(x)
       elif _is_encoded(x) and x.spec.shape == tuple(getattr(p, "shape", ())):
         out.append(encoded(x, p) if encoded else jax.tree.map(other, x))
-      elif _is_array(x) and _is_array(p) and tuple(x.shape) == tuple(p.shape):
+      elif is_array(x) and is_array(p) and tuple(x.shape) == tuple(p.shape):
         out.append(like(x, p))
       else:
         out.append(other(x))
@@ -134,7 +135,8 @@ def map_like_params(
   )
 
 
-def _is_tracer(x: Any) -> bool:
+def is_tracer(x: Any) -> bool:
+  """Whether ``x`` is traced (inside ``jit`` or a transform)."""
   return isinstance(x, jax.core.Tracer)
 
 
@@ -251,7 +253,7 @@ def concrete_mesh(params: Any) -> Optional[jax.sharding.Mesh]:
     p.sharding.mesh
     for p in jax.tree_util.tree_leaves(params)
     if isinstance(p, jax.Array)
-    and not _is_tracer(p)
+    and not is_tracer(p)
     and isinstance(p.sharding, NamedSharding)
   }
   return meshes.pop() if len(meshes) == 1 else None
@@ -277,12 +279,12 @@ def place_like_params(state: Any, params: Any) -> Any:
   replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
 
   def like(x, p):
-    if _is_tracer(p):
+    if is_tracer(p):
       return _tie(x, p)
     want = getattr(p, "sharding", None)
     if (
       isinstance(x, jax.Array)
-      and not _is_tracer(x)
+      and not is_tracer(x)
       and want is not None
       and not x.sharding.is_equivalent_to(want, x.ndim)
     ):
@@ -290,7 +292,7 @@ def place_like_params(state: Any, params: Any) -> Any:
     return x
 
   def encoded(e, p):
-    if _is_tracer(p):
+    if is_tracer(p):
       return _tie_encoded(e, p)
     want = getattr(p, "sharding", None)
     if isinstance(want, jax.sharding.SingleDeviceSharding):
@@ -308,7 +310,7 @@ def place_like_params(state: Any, params: Any) -> Any:
     if (
       replicated is not None
       and isinstance(x, jax.Array)
-      and not _is_tracer(x)
+      and not is_tracer(x)
       and not x.sharding.is_equivalent_to(replicated, x.ndim)
     ):
       return jax.device_put(x, replicated)
@@ -350,7 +352,7 @@ def params_mesh(params: Any, what: str = "jaxmp.state_shardings"):
     if _is_empty(p):
       continue
     sharding = getattr(p, "sharding", None)
-    if not _is_array(p) or not isinstance(sharding, NamedSharding):
+    if not is_array(p) or not isinstance(sharding, NamedSharding):
       raise ValueError(
         f"{what} needs params sharded on a mesh (or all on one device); "
         f"{_path(path)} is {type(p).__name__} with sharding {sharding!r}. "
